@@ -1,0 +1,46 @@
+"""The one entry point: ``nox -s tests``, ``lint``, ``typecheck``, ``demo``.
+
+Every session installs the project from its own extras, so what nox runs is
+what a user gets; arguments after ``--`` are passed through.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def install(session: nox.Session, *extras: str) -> None:
+    target = f".[{','.join(extras)}]" if extras else "."
+    session.install("-e", target)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (pytest-trio, MockClock; no GPU, no network)."""
+    install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, with trio's ASYNC rules, and the formatter's check."""
+    install(session, "lint")
+    session.run("ruff", "check", *(session.posargs or ["."]))
+    session.run("ruff", "format", "--check", *(session.posargs or ["."]))
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on src (settings in pyproject.toml)."""
+    install(session, "typecheck")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job for now: stream and cancel requests on the embedded SimEngine."""
+    install(session)
+    session.run("trio-sglang", "demo", *session.posargs)

@@ -1,0 +1,30 @@
+"""trio-sglang: cancel SGLang generation requests correctly and fast, with trio.
+
+The public API lives here; the ``_modules`` behind it are private.
+"""
+
+from ._context import RequestContext
+from ._engine import Engine, EngineStream, RequestPhase
+from ._errors import EngineShutdown, InvalidRequest
+from ._policy import AbortPolicy
+from ._sim_engine import SimEngine
+from ._sim_trace import TraceEvent, TraceKind
+from ._version import __version__
+from ._worker import ResponseStream, Worker, open_worker
+
+__all__ = [
+    "AbortPolicy",
+    "Engine",
+    "EngineShutdown",
+    "EngineStream",
+    "InvalidRequest",
+    "RequestContext",
+    "RequestPhase",
+    "ResponseStream",
+    "SimEngine",
+    "TraceEvent",
+    "TraceKind",
+    "Worker",
+    "__version__",
+    "open_worker",
+]

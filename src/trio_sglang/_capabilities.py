@@ -1,0 +1,48 @@
+"""The worker's versioned capability metadata, derived from what the engine detected."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._version import __version__
+
+__all__ = ["SCHEMA_VERSION", "build_capabilities"]
+
+#: Bumped when a key changes meaning or disappears; new keys do not bump it.
+SCHEMA_VERSION = 1
+
+
+def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
+    """Capabilities as plain JSON-able data.
+
+    Feature keys carry a ``_vN`` suffix: a consumer that knows ``x_v1`` can
+    rely on its meaning forever; a changed meaning gets ``x_v2``. Keys that
+    depend on the engine are true only when the engine reported the runtime
+    feature they rest on.
+    """
+    registry = features.get("request_registry") is True
+    dispatch = features.get("dispatch_timestamp") is True
+    release = features.get("release_on_close") is True
+    version = features.get("sglang_version")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "package": {"name": "trio-sglang", "version": __version__},
+        "engine": {
+            "kind": str(features.get("kind", "unknown")),
+            "sglang_version": version if isinstance(version, str) else None,
+        },
+        "features": {
+            # Properties of the lifecycle itself, whatever the engine.
+            "stream_closes_at_cancel_v1": True,
+            "early_exit_aborts_v1": True,
+            "bounded_detached_cleanup_v1": True,
+            "public_ids_only_v1": True,
+            # An abort is sent only once dispatch has been observed.
+            "ordered_abort_v1": registry and dispatch,
+            # A cancel before the first output never leaves work at the
+            # engine: an undispatched request is released, a dispatched one
+            # aborted after its dispatch.
+            "cancel_before_first_output_v1": registry and dispatch and release,
+        },
+    }

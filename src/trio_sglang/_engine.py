@@ -1,0 +1,100 @@
+"""The one small protocol through which the lifecycle knows an engine.
+
+It is shaped after what SGLang actually offers (SGLANG_FACTS.md), so that the
+real ``TokenizerManager`` and the ``SimEngine`` fit it without pretending:
+
+- ``generate`` is ``Engine.async_generate(..., stream=True)``: a lazy stream
+  that registers the request only when first pulled;
+- ``phase`` is what can be observed from outside: the request registry
+  (``rid_to_state``) and the dispatch timestamp;
+- ``abort`` is ``tokenizer_manager.abort_request``: fire and forget, silently
+  lost when sent at the wrong moment, which is why the lifecycle uses it last;
+- closing the stream (or cancelling a pull) runs the engine's own release
+  path: an undispatched request is forgotten, a dispatched one is aborted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Engine", "EngineStream", "RequestPhase"]
+
+
+class RequestPhase(enum.Enum):
+    """Where a request is, as far as the engine lets anyone see."""
+
+    #: Not held by the engine: never registered, released, finished or aborted.
+    ABSENT = "absent"
+    #: In the tokenizer's registry, not yet pushed to the scheduler.
+    REGISTERED = "registered"
+    #: Pushed to the scheduler (the dispatch timestamp is set).
+    DISPATCHED = "dispatched"
+
+
+@runtime_checkable
+class EngineStream(Protocol):
+    """One request's outputs, SGLang's native dicts, incremental.
+
+    Every output is what SGLang yields with ``stream_output`` on: ``text`` and
+    ``output_ids`` carry only what is new, ``meta_info`` carries ``id`` (the
+    engine rid) and ``finish_reason`` (``None`` or ``{"type": ...}``), and a
+    batch or ``n > 1`` output carries its child's ``index``.
+
+    A pull that is cancelled closes the stream, as ``aclose`` would: that is
+    what SGLang's generator does when a ``CancelledError`` reaches it.
+    """
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def __anext__(self) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None:
+        """Run the engine's release path; idempotent, a no-op once finished."""
+        ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker needs from an engine, and nothing more."""
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """Own the engine's background work for the life of the block.
+
+        The worker enters it first and leaves it last, after its cleanup.
+        """
+        ...
+
+    def features(self) -> Mapping[str, object]:
+        """What was detected at run time.
+
+        Keys the worker reads: ``kind`` (str), ``sglang_version`` (str or
+        None), ``request_registry``, ``dispatch_timestamp``,
+        ``abort_sent_flag`` and ``release_on_close`` (bools).
+        """
+        ...
+
+    def generate(self, request: Mapping[str, Any]) -> EngineStream:
+        """Start nothing yet: return the stream for an SGLang ``/generate`` body.
+
+        ``request["rid"]`` is the worker's internal rid.
+        """
+        ...
+
+    def phase(self, rid: str) -> RequestPhase:
+        """The request's phase right now (a synchronous look, never blocks)."""
+        ...
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
+        """Return the rid's phase as soon as it differs from ``phase``.
+
+        Engines that can wake waiters do so; others poll at a short fixed
+        interval. Unbounded: callers bound it.
+        """
+        ...
+
+    def abort(self, rid: str) -> None:
+        """Ask the engine to abort ``rid`` (``abort_request``); may be lost."""
+        ...

@@ -1,0 +1,57 @@
+"""Every bound the lifecycle uses, in one frozen place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["AbortPolicy"]
+
+
+@dataclass(frozen=True, slots=True)
+class AbortPolicy:
+    """How long engine-side cleanup may take, and how often it may retry.
+
+    All durations are seconds on the trio clock. None of them holds the
+    caller's stream open: they bound the detached cleanup task that the worker
+    runs after the stream has closed, and the worker's shutdown.
+    """
+
+    #: Bound on closing the engine stream (SGLang's own release path:
+    #: an undispatched request is forgotten, a dispatched one is aborted).
+    close_timeout: float = 1.0
+    #: Bound on waiting for the engine to stop holding the request after it
+    #: was closed or aborted (the scheduler's abort echo).
+    release_timeout: float = 1.0
+    #: Bound on waiting for dispatch when a request is still registered but
+    #: undispatched after its stream was closed: an abort before dispatch is
+    #: lost, so the lifecycle waits for dispatch (woken, not polled) first.
+    dispatch_timeout: float = 5.0
+    #: How many times an abort is sent when the engine raises or the abort
+    #: does not take (at least 1).
+    abort_attempts: int = 3
+    #: Pause between abort attempts.
+    abort_retry_delay: float = 0.005
+    #: Overall bound on one request's cleanup task.
+    cleanup_timeout: float = 10.0
+    #: When the worker is left: how long open streams and pending cleanup get
+    #: before the cleanup is cancelled and the engine closes.
+    shutdown_grace: float = 1.0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name == "abort_attempts":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(
+                        f"AbortPolicy.abort_attempts must be an int >= 1, got {value!r}"
+                    )
+            elif (
+                not isinstance(value, int | float)
+                or isinstance(value, bool)
+                or math.isnan(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"AbortPolicy.{field.name} must be a number of seconds >= 0, got {value!r}"
+                )

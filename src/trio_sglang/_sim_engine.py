@@ -1,0 +1,107 @@
+"""``SimEngine``: the embedded default engine, SGLang's abort semantics with no GPU."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from ._engine import RequestPhase
+from ._sim_scheduler import SimTiming
+from ._sim_tokenizer import SimStream, SimTokenizerManager
+from ._sim_trace import Trace
+
+__all__ = ["SimEngine"]
+
+
+class SimEngine:
+    """A trio-native model of SGLang 0.5.23's tokenizer manager and scheduler.
+
+    Not a mock: it reproduces the behaviour a cancellation lifecycle can get
+    wrong against SGLang (aborts lost before dispatch, dropped when repeated,
+    matched by prefix, child rids that nobody asked for), so a lifecycle that
+    is wrong against SGLang is wrong here too. Every delay runs on the trio
+    clock, so under ``trio.testing.MockClock`` a run is exact and repeatable.
+
+    Timing knobs (seconds): ``tokenize_delay`` (registration to the end of
+    tokenization), ``dispatch_delay`` (from there to the push to the
+    scheduler; per child for batches), ``first_token_delay`` (dispatch to the
+    first token: queueing and prefill), ``token_interval`` (between tokens).
+
+    ``release_on_close=False`` models an engine whose generator has no
+    release path: a closed or cancelled stream leaves its states behind, so
+    only an abort after dispatch stops the request; ``features()`` says so.
+
+    Introspection: ``trace`` (every event, see ``TraceEvent``) and
+    ``live_rids()`` (rids still registered or still at the scheduler).
+    """
+
+    #: The SGLang release whose behaviour this models.
+    SGLANG_VERSION = "0.5.23"
+
+    def __init__(
+        self,
+        *,
+        tokenize_delay: float = 0.005,
+        dispatch_delay: float = 0.001,
+        first_token_delay: float = 0.05,
+        token_interval: float = 0.02,
+        release_on_close: bool = True,
+    ) -> None:
+        if not isinstance(release_on_close, bool):
+            raise ValueError(f"release_on_close must be a bool, got {release_on_close!r}")
+        self.timing = SimTiming(tokenize_delay, dispatch_delay, first_token_delay, token_interval)
+        self.trace = Trace()
+        self._tm = SimTokenizerManager(self.timing, self.trace, release_on_close)
+
+    @property
+    def tokenizer_manager(self) -> SimTokenizerManager:
+        """The modelled ``TokenizerManager`` (``rid_to_state``, ``abort_request``)."""
+        return self._tm
+
+    def live_rids(self) -> set[str]:
+        return set(self._tm.rid_to_state) | self._tm.scheduler.rids()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        if self._tm.running:
+            raise RuntimeError("this SimEngine is already running")
+        async with trio.open_nursery() as nursery:
+            self._tm.running = True
+            nursery.start_soon(self._tm.scheduler.run)
+            try:
+                yield
+            finally:
+                self._tm.close()
+                nursery.cancel_scope.cancel()
+
+    def features(self) -> Mapping[str, object]:
+        return {
+            "kind": "sim",
+            "sglang_version": self.SGLANG_VERSION,
+            "request_registry": True,
+            "dispatch_timestamp": True,
+            "abort_sent_flag": True,
+            "release_on_close": self._tm.release_on_close,
+        }
+
+    def generate(self, request: Mapping[str, Any]) -> SimStream:
+        return self._tm.generate_request(request)
+
+    def phase(self, rid: str) -> RequestPhase:
+        return self._tm.phase(rid)
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
+        return await self._tm.wait_phase_change(rid, phase)
+
+    def abort(self, rid: str) -> None:
+        self._tm.abort_request(rid)
+
+    def __repr__(self) -> str:
+        t = self.timing
+        return (
+            f"SimEngine(tokenize_delay={t.tokenize_delay}, dispatch_delay={t.dispatch_delay}, "
+            f"first_token_delay={t.first_token_delay}, token_interval={t.token_interval})"
+        )

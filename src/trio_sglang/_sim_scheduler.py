@@ -1,0 +1,132 @@
+"""The SimEngine's scheduler: decodes on its own clock, aborts by prefix, keeps no tombstone.
+
+Modelled on SGLang's scheduler (and on the stand-in scheduler the conformance
+tests run against the real TokenizerManager): requests and aborts arrive in
+order on one queue and are applied on receipt; an abort stops every request
+whose rid starts with the aborted rid; an abort that matches nothing is
+simply gone, even if its request arrives a moment later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from bisect import bisect_left, insort
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ._sim_trace import Trace
+
+__all__ = ["OutputSink", "SimScheduler", "SimTiming"]
+
+#: Receives (rid, new token ids, finish reason or None): the detokenizer's path back.
+OutputSink = Callable[[str, list[int], dict[str, Any] | None], None]
+
+VOCAB_SIZE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SimTiming:
+    """Seconds on the trio clock (so ``MockClock`` tests are exact)."""
+
+    tokenize_delay: float
+    dispatch_delay: float
+    first_token_delay: float
+    token_interval: float
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if (
+                not isinstance(value, int | float)
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+@dataclass(slots=True, eq=False)
+class _Running:
+    rid: str
+    seed: int
+    max_new_tokens: int
+    next_time: float
+    decoded: int = 0
+
+
+class SimScheduler:
+    def __init__(self, timing: SimTiming, trace: Trace, sink: OutputSink) -> None:
+        self._timing = timing
+        self._trace = trace
+        self._sink = sink
+        self._requests: dict[str, _Running] = {}
+        self._sorted_rids: list[str] = []  # for prefix matching in O(log n)
+        self._due: list[tuple[float, int, _Running]] = []
+        self._order = itertools.count()
+        self._wakeup = trio.lowlevel.ParkingLot()
+
+    def holds(self, rid: str) -> bool:
+        return rid in self._requests
+
+    def rids(self) -> set[str]:
+        return set(self._requests)
+
+    def add_request(self, rid: str, seed: int, max_new_tokens: int) -> None:
+        running = _Running(
+            rid, seed, max_new_tokens, trio.current_time() + self._timing.first_token_delay
+        )
+        self._requests[rid] = running
+        insort(self._sorted_rids, rid)
+        heapq.heappush(self._due, (running.next_time, next(self._order), running))
+        self._wakeup.unpark_all()
+
+    def abort(self, prefix: str) -> None:
+        hits = []
+        i = bisect_left(self._sorted_rids, prefix)
+        while i < len(self._sorted_rids) and self._sorted_rids[i].startswith(prefix):
+            hits.append(self._sorted_rids[i])
+            i += 1
+        if not hits:
+            self._trace.record("abort_lost", prefix)
+            return
+        for rid in hits:
+            self._remove(rid)
+            self._trace.record("abort_applied", rid)
+            self._sink(rid, [], {"type": "abort", "message": "Abort by request."})
+
+    async def run(self) -> None:
+        """Decode forever; the engine's nursery owns this task."""
+        while True:
+            now = trio.current_time()
+            while self._due and self._due[0][0] <= now:
+                _, _, running = heapq.heappop(self._due)
+                if self._requests.get(running.rid) is running:
+                    self._step(running)
+            with trio.move_on_at(self._due[0][0] if self._due else math.inf):
+                await self._wakeup.park()
+
+    def _step(self, running: _Running) -> None:
+        if running.decoded < running.max_new_tokens:
+            running.decoded += 1
+            token = (running.seed + running.decoded * 7919) % VOCAB_SIZE
+            self._trace.record("token", running.rid)
+            new_ids = [token]
+        else:
+            new_ids = []
+        if running.decoded >= running.max_new_tokens:
+            self._remove(running.rid)
+            self._trace.record("finished", running.rid)
+            self._sink(running.rid, new_ids, {"type": "length", "length": running.decoded})
+            return
+        running.next_time += self._timing.token_interval
+        heapq.heappush(self._due, (running.next_time, next(self._order), running))
+        self._sink(running.rid, new_ids, None)
+
+    def _remove(self, rid: str) -> None:
+        del self._requests[rid]
+        del self._sorted_rids[bisect_left(self._sorted_rids, rid)]

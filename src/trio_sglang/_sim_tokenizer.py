@@ -1,0 +1,313 @@
+"""The SimEngine's tokenizer side: SGLang 0.5.23's ``TokenizerManager`` as far as aborts care.
+
+What it reproduces, each for a reason in SGLANG_FACTS.md:
+- a stream starts nothing until first pulled; then it registers the rid
+  (a duplicate raises) before its first await, tokenizes (awaited), and
+  dispatches, setting the dispatch timestamp;
+- ``abort_request`` drops an unknown rid silently and sends at most one abort
+  per state (``abort_sent``), even if the request is not dispatched yet, in
+  which case the scheduler loses it;
+- a cancelled pull or ``aclose`` forgets undispatched states and aborts
+  dispatched ones (the ``except BaseException`` release path);
+- a native batch registers ``rid_i`` (or the caller's list); ``n > 1``
+  registers ``rid_i``, then awaits a warm-up request with its own uuid, swaps
+  every child to a fresh uuid and sends the children one by one;
+- a dispatched state stays registered until the scheduler's final output or
+  abort echo removes it.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ._engine import RequestPhase
+from ._sim_scheduler import VOCAB_SIZE, SimScheduler, SimTiming
+from ._sim_trace import Trace
+
+__all__ = ["SimStream", "SimTokenizerManager"]
+
+_WORDS = (
+    "the a of to and in is it you that he was for on are with as I his they be at one have "
+    "this from or had by hot word but what some we can out other were all there when up use "
+    "your how said an each she which do their time if will way about many then them write "
+    "would like so these"
+).split()
+assert len(_WORDS) >= VOCAB_SIZE
+
+#: SGLang's default ``max_new_tokens``.
+DEFAULT_MAX_NEW_TOKENS = 128
+
+Deliver = Callable[["ReqState", dict[str, Any]], None]
+
+
+@dataclass(slots=True, eq=False)
+class ReqState:
+    rid: str
+    index: int | None  # position in a batch or among n samples; None for one prompt
+    seed: int
+    prompt_tokens: int
+    max_new_tokens: int
+    deliver: Deliver
+    dispatch_time: float | None = None  # api_server_dispatch_finish_time
+    abort_sent: bool = False
+    completion_tokens: int = 0
+
+
+class SimTokenizerManager:
+    def __init__(self, timing: SimTiming, trace: Trace, release_on_close: bool) -> None:
+        self.timing = timing
+        self.trace = trace
+        self.release_on_close = release_on_close
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.scheduler = SimScheduler(timing, trace, self._on_output)
+        self.running = False
+        self._waiters: dict[str, trio.lowlevel.ParkingLot] = {}
+        self._streams: set[SimStream] = set()
+
+    # -- what the engine exposes ------------------------------------------
+
+    def phase(self, rid: str) -> RequestPhase:
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            return RequestPhase.ABSENT
+        return RequestPhase.REGISTERED if state.dispatch_time is None else RequestPhase.DISPATCHED
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
+        while (current := self.phase(rid)) is phase:
+            lot = self._waiters.setdefault(rid, trio.lowlevel.ParkingLot())
+            try:
+                await lot.park()
+            finally:
+                if not lot and self._waiters.get(rid) is lot:
+                    del self._waiters[rid]
+        return current
+
+    def abort_request(self, rid: str) -> None:
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            self.trace.record("abort_dropped", rid, "unknown rid")
+            return
+        if state.abort_sent:
+            self.trace.record("abort_dropped", rid, "abort already sent")
+            return
+        state.abort_sent = True
+        self.trace.record("abort_requested", rid)
+        self.scheduler.abort(rid)
+
+    def generate_request(self, request: Mapping[str, Any]) -> SimStream:
+        return SimStream(self, request)
+
+    def close(self) -> None:
+        """The engine stopped: wake every stream so that it raises."""
+        self.running = False
+        for stream in list(self._streams):
+            stream.wake()
+
+    # -- the registry ------------------------------------------------------
+
+    def register(self, state: ReqState) -> None:
+        if state.rid in self.rid_to_state:
+            raise ValueError(f"Duplicate request ID: {state.rid}")
+        self.rid_to_state[state.rid] = state
+        self.trace.record("registered", state.rid)
+        self._wake(state.rid)
+
+    def dispatch(self, state: ReqState) -> None:
+        state.dispatch_time = trio.current_time()
+        self.trace.record("dispatched", state.rid)
+        self.scheduler.add_request(state.rid, state.seed, state.max_new_tokens)
+        self._wake(state.rid)
+
+    def release(self, state: ReqState) -> None:
+        """Forget an undispatched state: nothing was ever sent for it."""
+        if self.rid_to_state.get(state.rid) is state:
+            del self.rid_to_state[state.rid]
+            self.trace.record("released", state.rid)
+            self._wake(state.rid)
+
+    def holds(self, state: ReqState) -> bool:
+        return self.rid_to_state.get(state.rid) is state
+
+    def _wake(self, rid: str) -> None:
+        lot = self._waiters.get(rid)
+        if lot is not None:
+            lot.unpark_all()
+
+    def _on_output(
+        self, rid: str, token_ids: list[int], finish_reason: dict[str, Any] | None
+    ) -> None:
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            return
+        state.completion_tokens += len(token_ids)
+        out: dict[str, Any] = {
+            "text": "".join(" " + _WORDS[t] for t in token_ids),
+            "output_ids": token_ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish_reason,
+                "prompt_tokens": state.prompt_tokens,
+                "completion_tokens": state.completion_tokens,
+                "cached_tokens": 0,
+            },
+        }
+        if state.index is not None:
+            out["index"] = state.index
+        if finish_reason is not None:
+            del self.rid_to_state[rid]
+            self._wake(rid)
+        state.deliver(state, out)
+
+
+class SimStream:
+    """``generate_request(obj)`` for one request: lazy, and released when abandoned."""
+
+    def __init__(self, tm: SimTokenizerManager, request: Mapping[str, Any]) -> None:
+        self._tm = tm
+        self._request = request
+        self._started = False
+        self._closed = False
+        self._submitted = False
+        self._unfinished = 0
+        self._states: list[ReqState] = []
+        self._outputs: deque[dict[str, Any]] = deque()
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def __aiter__(self) -> SimStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._closed:
+            raise StopAsyncIteration
+        ok = False
+        try:
+            if not self._started:
+                self._started = True
+                self._tm._streams.add(self)
+                await self._submit()
+            while not self._outputs:
+                if self._submitted and not self._unfinished:
+                    self._finish()
+                    raise StopAsyncIteration
+                if not self._tm.running:
+                    raise trio.ClosedResourceError("the SimEngine is not running")
+                await self._lot.park()
+            ok = True
+        finally:
+            if not ok and not self._closed:
+                self._release()
+        return self._outputs.popleft()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._release()
+        await trio.lowlevel.checkpoint()
+
+    def wake(self) -> None:
+        self._lot.unpark_all()
+
+    def _finish(self) -> None:
+        self._closed = True
+        self._tm._streams.discard(self)
+
+    def _release(self) -> None:
+        """SGLang's release path for every state this stream created."""
+        self._finish()
+        self._outputs.clear()
+        if not self._tm.release_on_close:
+            return
+        for state in self._states:
+            if not self._tm.holds(state):
+                continue
+            if state.dispatch_time is None:
+                self._tm.release(state)
+            else:
+                self._tm.abort_request(state.rid)
+
+    def _deliver(self, state: ReqState, out: dict[str, Any]) -> None:
+        if self._closed:
+            return
+        self._outputs.append(out)
+        if out["meta_info"]["finish_reason"] is not None:
+            self._unfinished -= 1
+        self._lot.unpark_all()
+
+    async def _submit(self) -> None:
+        if not self._tm.running:
+            raise trio.ClosedResourceError("the SimEngine is not running")
+        request = self._request
+        timing = self._tm.timing
+        rid = request["rid"]
+        sampling = request.get("sampling_params") or {}
+        n = sampling.get("n") or 1
+        max_new = sampling.get("max_new_tokens")
+        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        prompts, batch = _prompts(request)
+        multi = batch or n > 1
+        count = len(prompts) * n
+        if isinstance(rid, list):
+            rids = list(rid)
+        elif multi:
+            rids = [f"{rid}_{i}" for i in range(count)]
+        else:
+            rids = [rid]
+        states = [
+            self._new_state(r, i if multi else None, prompts[i // n], max_new)
+            for i, r in enumerate(rids)
+        ]
+        for state in states:  # registration comes before any await
+            self._tm.register(state)
+        await trio.sleep(timing.tokenize_delay)
+        if n > 1:
+            await self._warm_up(prompts[0])
+            children = []
+            for state in states:
+                self._tm.release(state)
+                child = self._new_state(
+                    uuid.uuid4().hex, state.index, (state.seed, state.prompt_tokens), max_new
+                )
+                self._tm.register(child)
+                children.append(child)
+            states = children
+        self._unfinished = len(states)
+        for state in states:
+            await trio.sleep(timing.dispatch_delay)
+            self._tm.dispatch(state)
+        self._submitted = True
+
+    async def _warm_up(self, prompt: tuple[int, int]) -> None:
+        done = trio.Event()
+        state = ReqState(uuid.uuid4().hex, None, *prompt, 0, lambda _s, _o: done.set())
+        self._states.append(state)
+        self._tm.register(state)
+        self._tm.dispatch(state)
+        await done.wait()
+
+    def _new_state(
+        self, rid: str, index: int | None, prompt: tuple[int, int], max_new_tokens: int
+    ) -> ReqState:
+        state = ReqState(rid, index, prompt[0], prompt[1], max_new_tokens, self._deliver)
+        self._states.append(state)
+        return state
+
+
+def _prompts(request: Mapping[str, Any]) -> tuple[list[tuple[int, int]], bool]:
+    """(seed, prompt token count) per prompt, and whether it is a native batch.
+
+    Words stand in for tokens.
+    """
+    text = request.get("text")
+    if text is not None:
+        texts = text if isinstance(text, list) else [text]
+        return [(zlib.crc32(t.encode()), len(t.split()) or 1) for t in texts], texts is text
+    ids = request["input_ids"]
+    batch = bool(ids) and isinstance(ids[0], list)
+    id_lists = ids if batch else [ids]
+    return [(sum(p), len(p)) for p in id_lists], batch

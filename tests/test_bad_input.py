@@ -1,0 +1,361 @@
+"""Lifecycle row 10: bad input gets a clear error and registers nothing at the engine.
+
+Every bad request goes through ``worker.generate`` on a real ``SimEngine``: it
+must raise ``ts.InvalidRequest`` (a ``ValueError``) whose message names the
+problem, and the engine must have seen nothing at all (empty trace, no live
+rid). A few good requests check that the validation does not reject what
+SGLang accepts, and a worker that has shut down refuses new streams with
+``ts.EngineShutdown`` without touching the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import trio_sglang as ts
+from trio_sglang import _request
+from trio_sglang._ids import RID_LENGTH
+
+HELLO: dict[str, Any] = {"text": "Hello world", "sampling_params": {"max_new_tokens": 4}}
+
+#: One valid value for every sampling parameter the worker knows.
+EVERY_SAMPLING_PARAM: dict[str, Any] = {
+    "max_new_tokens": 4,
+    "min_new_tokens": 1,
+    "n": 1,
+    "stop": ["\n\n", "###"],
+    "stop_token_ids": [2],
+    "stop_regex": r"\.$",
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 40,
+    "min_p": 0.05,
+    "frequency_penalty": 0.1,
+    "presence_penalty": -0.5,
+    "repetition_penalty": 1.1,
+    "ignore_eos": True,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": False,
+    "no_stop_trim": False,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
+    "stream_interval": 1,
+    "logit_bias": {"1": 0.5},
+    "sampling_seed": 42,
+}
+
+
+def with_sampling(**params: object) -> dict[str, Any]:
+    """A one-prompt text request with these sampling params."""
+    return {"text": "Hello", "sampling_params": params}
+
+
+def bad(request: object, match: str, case_id: str) -> Any:
+    """One bad request case: the request and a regex its error message must match."""
+    return pytest.param(request, match, id=case_id)
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def assert_engine_untouched(engine: ts.SimEngine) -> None:
+    assert list(engine.trace) == []
+    assert engine.live_rids() == set()
+    assert engine.tokenizer_manager.rid_to_state == {}
+
+
+async def assert_rejected(
+    request: object,
+    match: str,
+    *,
+    output: object = "text",
+    ctx: object = None,
+) -> None:
+    """``worker.generate`` raises ``InvalidRequest`` and nothing reaches the engine."""
+    engine = ts.SimEngine()
+    ctx = ts.RequestContext("chatcmpl-bad") if ctx is None else ctx
+    async with ts.open_worker(engine) as worker:
+        with pytest.raises(ts.InvalidRequest, match=match) as excinfo:
+            async with worker.generate(request, ctx, output=output):  # type: ignore[arg-type]
+                pytest.fail("generate opened a stream for a bad request")
+        assert isinstance(excinfo.value, ValueError)
+        assert worker.open_streams == 0
+        assert worker.pending_cleanups == 0
+        assert_engine_untouched(engine)
+    assert_engine_untouched(engine)
+
+
+def finish_reason_of(chunk: Mapping[str, Any], output: str) -> str | None:
+    if output == "tokens":
+        return chunk["finish_reason"]
+    if output == "text":
+        return chunk["choices"][0]["finish_reason"]
+    reason = chunk["meta_info"]["finish_reason"]
+    return None if reason is None else reason["type"]
+
+
+def public_id_of(chunk: Mapping[str, Any], output: str) -> str | None:
+    if output == "tokens":
+        return None
+    if output == "text":
+        return chunk["id"]
+    return chunk["meta_info"]["id"]
+
+
+# -- the corpus of bad requests ------------------------------------------------
+
+NEEDS_ONE_PROMPT = r"exactly one of 'text' or 'input_ids'"
+BAD_TEXT = r"'text' must be a non-empty string"
+BAD_INPUT_IDS = r"'input_ids' must be a non-empty list of token ids"
+UNSUPPORTED = r"parallel sampling \(n > 1\) and native batches are not supported"
+
+BAD_REQUESTS = [
+    # the request itself
+    bad(["Hello"], r"request must be a mapping, got list", "request-is-list"),
+    bad("Hello", r"request must be a mapping, got str", "request-is-str"),
+    bad(None, r"request must be a mapping, got NoneType", "request-is-none"),
+    bad({1: "x", "text": "Hello"}, r"request keys must be strings", "non-str-key"),
+    bad({"text": "Hello", "prompt": "Hi"}, r"unknown request field 'prompt'", "unknown-field"),
+    bad({"text": "Hello", "stream": "yes"}, r"stream must be a bool", "stream-str"),
+    bad({"text": "Hello", "stream": 1}, r"stream must be a bool", "stream-int"),
+    # the prompt
+    bad({}, NEEDS_ONE_PROMPT, "no-prompt"),
+    bad({"sampling_params": {"max_new_tokens": 4}}, NEEDS_ONE_PROMPT, "only-sampling-params"),
+    bad({"text": None, "input_ids": None}, NEEDS_ONE_PROMPT, "both-prompts-none"),
+    bad({"text": "Hello", "input_ids": [1, 2]}, NEEDS_ONE_PROMPT, "text-and-input-ids"),
+    bad({"text": ""}, r"'text' is empty", "text-empty"),
+    bad({"text": 42}, BAD_TEXT, "text-int"),
+    bad({"text": {"content": "Hello"}}, BAD_TEXT, "text-dict"),
+    bad({"text": b"Hello"}, BAD_TEXT, "text-bytes"),
+    bad({"text": []}, BAD_TEXT, "text-empty-list"),
+    bad({"text": ["Hello", ""]}, BAD_TEXT, "text-batch-with-empty-prompt"),
+    bad({"text": ["Hello", 3]}, BAD_TEXT, "text-batch-with-int"),
+    bad({"input_ids": []}, BAD_INPUT_IDS, "input-ids-empty"),
+    bad({"input_ids": [1, -2, 3]}, BAD_INPUT_IDS, "input-ids-negative"),
+    bad({"input_ids": [1, True]}, BAD_INPUT_IDS, "input-ids-bool"),
+    bad({"input_ids": [1.0, 2.0]}, BAD_INPUT_IDS, "input-ids-float"),
+    bad({"input_ids": ["1", "2"]}, BAD_INPUT_IDS, "input-ids-str"),
+    bad({"input_ids": "1 2 3"}, BAD_INPUT_IDS, "input-ids-is-str"),
+    bad({"input_ids": [2**31]}, BAD_INPUT_IDS, "input-ids-too-big"),
+    bad({"input_ids": [[1, 2], []]}, BAD_INPUT_IDS, "input-ids-batch-with-empty-prompt"),
+    bad({"input_ids": [[[1]]]}, BAD_INPUT_IDS, "input-ids-nested-too-deep"),
+    # sampling_params
+    bad({"text": "Hello", "sampling_params": [4]}, r"sampling_params must be a mapping", "sp-list"),
+    bad(
+        {"text": "Hello", "sampling_params": "t=1"}, r"sampling_params must be a mapping", "sp-str"
+    ),
+    bad(with_sampling(beam_width=4), r"unknown sampling parameter 'beam_width'", "sp-unknown"),
+    bad(with_sampling(max_new_tokens=-1), r"sampling_params\.max_new_tokens", "max-new-negative"),
+    bad(with_sampling(max_new_tokens=4.0), r"sampling_params\.max_new_tokens", "max-new-float"),
+    bad(with_sampling(max_new_tokens=True), r"sampling_params\.max_new_tokens", "max-new-bool"),
+    bad(with_sampling(max_new_tokens="16"), r"sampling_params\.max_new_tokens", "max-new-str"),
+    bad(with_sampling(max_new_tokens=2**31), r"sampling_params\.max_new_tokens", "max-new-huge"),
+    bad(with_sampling(min_new_tokens=-1), r"sampling_params\.min_new_tokens", "min-new-negative"),
+    bad(with_sampling(n=0), r"sampling_params\.n must be an int from 1", "n-zero"),
+    bad(with_sampling(n=-2), r"sampling_params\.n must be an int from 1", "n-negative"),
+    bad(with_sampling(n=True), r"sampling_params\.n must be an int from 1", "n-bool"),
+    bad(with_sampling(n=2.0), r"sampling_params\.n must be an int from 1", "n-float"),
+    bad(with_sampling(n=1025), r"sampling_params\.n must be an int from 1", "n-too-big"),
+    bad(with_sampling(temperature=-0.1), r"sampling_params\.temperature", "temperature-negative"),
+    bad(with_sampling(temperature=math.nan), r"sampling_params\.temperature", "temperature-nan"),
+    bad(with_sampling(temperature=math.inf), r"sampling_params\.temperature", "temperature-inf"),
+    bad(with_sampling(temperature="0.7"), r"sampling_params\.temperature", "temperature-str"),
+    bad(with_sampling(temperature=False), r"sampling_params\.temperature", "temperature-bool"),
+    bad(with_sampling(top_p=0), r"sampling_params\.top_p must be a number in", "top-p-zero"),
+    bad(with_sampling(top_p=1.5), r"sampling_params\.top_p must be a number in", "top-p-1.5"),
+    bad(with_sampling(top_k=0), r"sampling_params\.top_k", "top-k-zero"),
+    bad(with_sampling(top_k=-2), r"sampling_params\.top_k", "top-k-minus-two"),
+    bad(with_sampling(top_k=1.5), r"sampling_params\.top_k", "top-k-float"),
+    bad(with_sampling(min_p=1.5), r"sampling_params\.min_p", "min-p-above-one"),
+    bad(with_sampling(repetition_penalty=math.nan), r"\.repetition_penalty", "rep-penalty-nan"),
+    bad(with_sampling(stop=7), r"sampling_params\.stop must be", "stop-int"),
+    bad(with_sampling(stop=["###", 7]), r"sampling_params\.stop must be", "stop-list-with-int"),
+    bad(with_sampling(stop={"###"}), r"sampling_params\.stop must be", "stop-set"),
+    bad(with_sampling(stop_token_ids=[-1]), r"sampling_params\.stop_token_ids", "stop-ids-neg"),
+    bad(with_sampling(ignore_eos="yes"), r"sampling_params\.ignore_eos must be a bool", "eos-str"),
+    # rid
+    bad({"text": "Hello", "rid": ""}, r"'rid' is empty", "rid-empty"),
+    bad({"text": "Hello", "rid": 7}, r"'rid' must be a string", "rid-int"),
+    bad({"text": "Hello", "rid": ["a"]}, r"a list 'rid' needs a batch prompt", "rid-list-single"),
+    bad({"text": ["a", "b"], "rid": ["x"]}, r"'rid' has 1 entries but the batch has 2", "rid-len"),
+    bad({"text": ["a", "b"], "rid": ["x", "x"]}, r"'rid' has duplicate entries", "rid-duplicate"),
+    bad({"text": ["a", "b"], "rid": ["x", ""]}, r"every 'rid' in the list", "rid-list-empty"),
+    bad({"text": ["a", "b"], "rid": ["x", 2]}, r"every 'rid' in the list", "rid-list-int"),
+    # valid for SGLang, but fail closed: not supported by this lifecycle yet
+    bad(with_sampling(n=2), UNSUPPORTED, "n-two"),
+    bad({"text": ["Hello", "Bye"]}, UNSUPPORTED, "text-batch"),
+    bad({"input_ids": [[1, 2], [3]]}, UNSUPPORTED, "input-ids-batch"),
+    bad({"text": ["Hello", "Bye"], "rid": ["a", "b"]}, UNSUPPORTED, "text-batch-with-rids"),
+    bad({"text": ["Hello"], "sampling_params": {"n": 3}}, UNSUPPORTED, "batch-and-n"),
+]
+
+#: Ints too big to convert to a float, where a float is expected.
+TOO_BIG_FOR_A_FLOAT = [
+    bad(with_sampling(temperature=10**400), r"sampling_params\.temperature", "temperature-huge"),
+    bad(with_sampling(top_p=10**400), r"sampling_params\.top_p must be a number in", "top-p-huge"),
+    bad(with_sampling(presence_penalty=-(10**400)), r"\.presence_penalty", "penalty-huge"),
+]
+
+#: Rejected by SGLang's ``SamplingParams.verify``, which runs during tokenization,
+#: after the rid was registered: the worker has to reject them first.
+SGLANG_VERIFY_REJECTS = [
+    bad(with_sampling(frequency_penalty=2.5), r"\.frequency_penalty", "freq-penalty-above-2"),
+    bad(with_sampling(presence_penalty=-3), r"\.presence_penalty", "presence-penalty-below-2"),
+    bad(with_sampling(repetition_penalty=2.5), r"\.repetition_penalty", "rep-penalty-above-2"),
+    bad(with_sampling(repetition_penalty=-1), r"\.repetition_penalty", "rep-penalty-negative"),
+    bad(with_sampling(min_new_tokens=8, max_new_tokens=4), r"min_new_tokens", "min-above-max"),
+    bad(with_sampling(regex="a+", json_schema="{}"), r"regex|json_schema", "two-grammars"),
+]
+
+
+@pytest.mark.parametrize(
+    ("request_", "match"), BAD_REQUESTS + TOO_BIG_FOR_A_FLOAT + SGLANG_VERIFY_REJECTS
+)
+async def test_bad_request_is_rejected_before_the_engine(
+    request_: object, match: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    await assert_rejected(request_, match)
+
+
+@pytest.mark.parametrize("output", ["json", None, "TEXT", "", ["text"]], ids=repr)
+async def test_unknown_output_mode_is_rejected(
+    output: object, autojump_clock: trio.testing.MockClock
+) -> None:
+    await assert_rejected(
+        HELLO, r"output must be one of \('tokens', 'text', 'native'\)", output=output
+    )
+
+
+@pytest.mark.parametrize(
+    "ctx",
+    [
+        pytest.param(None, id="none"),
+        pytest.param("chatcmpl-123", id="str"),
+        pytest.param({"id": "chatcmpl-123"}, id="dict"),
+        pytest.param(types.SimpleNamespace(id="chatcmpl-123"), id="lookalike"),
+    ],
+)
+async def test_ctx_that_is_not_a_request_context_is_rejected(
+    ctx: object, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = ts.SimEngine()
+    async with ts.open_worker(engine) as worker:
+        with pytest.raises(ts.InvalidRequest, match=r"ctx must be a RequestContext") as excinfo:
+            async with worker.generate(HELLO, ctx):  # type: ignore[arg-type]
+                pytest.fail("generate opened a stream without a RequestContext")
+        assert isinstance(excinfo.value, ValueError)
+        assert_engine_untouched(engine)
+
+
+async def test_the_worker_keeps_serving_after_bad_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = ts.SimEngine()
+    ctx = ts.RequestContext("chatcmpl-1")
+    async with ts.open_worker(engine) as worker:
+        for request, _match in (case.values for case in BAD_REQUESTS):
+            with pytest.raises(ts.InvalidRequest):
+                async with worker.generate(request, ctx):  # type: ignore[arg-type]
+                    pytest.fail("generate opened a stream for a bad request")
+        assert_engine_untouched(engine)
+        assert not ctx.cancelled
+        async with worker.generate(HELLO, ctx, output="tokens") as chunks:
+            tokens = [t for chunk in [c async for c in chunks] for t in chunk["token_ids"]]
+        assert len(tokens) == 4
+    assert engine.live_rids() == set()
+
+
+def test_every_sampling_param_covers_the_known_fields() -> None:
+    assert set(EVERY_SAMPLING_PARAM) == _request._SAMPLING_FIELDS
+
+
+# -- good requests ---------------------------------------------------------------
+
+GOOD_REQUESTS = [
+    pytest.param({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}, 3, id="ids"),
+    pytest.param({"text": "Hello", "sampling_params": EVERY_SAMPLING_PARAM}, 4, id="every-param"),
+    pytest.param(with_sampling(max_new_tokens=0), 0, id="max-new-tokens-0"),
+    pytest.param({**HELLO, "rid": "caller-rid-1"}, 4, id="caller-rid"),
+    pytest.param({**HELLO, "stream": True}, 4, id="stream-true"),
+    pytest.param({**HELLO, "return_logprob": False, "priority": 1}, 4, id="passthrough-fields"),
+    pytest.param(
+        with_sampling(max_new_tokens=2, temperature=0, top_p=1, top_k=-1, stop="x", n=1),
+        2,
+        id="boundary-values",
+    ),
+    pytest.param(
+        with_sampling(max_new_tokens=2, temperature=None, stop=[], stop_token_ids=[]),
+        2,
+        id="none-and-empty-values",
+    ),
+    pytest.param(types.MappingProxyType(HELLO), 4, id="read-only-mapping"),
+    # SGLang's SamplingParams reads null as the default, n = 1 included.
+    pytest.param(with_sampling(max_new_tokens=2, n=None), 2, id="n-none"),
+    pytest.param(
+        {"input_ids": [0, 2**31 - 1], "sampling_params": {"max_new_tokens": 1}}, 1, id="id-bounds"
+    ),
+]
+
+
+@pytest.mark.parametrize("output", ["tokens", "text", "native"])
+@pytest.mark.parametrize(("request_", "max_new_tokens"), GOOD_REQUESTS)
+async def test_good_request_streams_to_the_end(
+    request_: Mapping[str, Any],
+    max_new_tokens: int,
+    output: str,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = ts.SimEngine()
+    ctx = ts.RequestContext("chatcmpl-good")
+    caller_rid = request_.get("rid")
+    async with ts.open_worker(engine) as worker:
+        async with worker.generate(request_, ctx, output=output) as chunks:  # type: ignore[arg-type]
+            assert chunks.id == (caller_rid or ctx.id)
+            received = [chunk async for chunk in chunks]
+        assert worker.open_streams == 0
+        assert worker.pending_cleanups == 0
+
+    assert received
+    assert [finish_reason_of(c, output) for c in received[:-1]] == [None] * (len(received) - 1)
+    assert finish_reason_of(received[-1], output) == "length"
+    for chunk in received:
+        assert public_id_of(chunk, output) in (None, caller_rid or ctx.id)
+
+    # Exactly one internal rid reached the engine, and it ran to the end.
+    (rid,) = {event.rid for event in engine.trace}
+    assert len(rid) == RID_LENGTH
+    assert rid != caller_rid
+    assert rid not in repr(received)
+    kinds = engine.trace.kinds(rid)
+    assert kinds == ["registered", "dispatched", *["token"] * max_new_tokens, "finished"]
+    assert engine.live_rids() == set()
+
+
+# -- a worker that has shut down ---------------------------------------------------
+
+
+@pytest.mark.parametrize("output", ["tokens", "text", "native"])
+async def test_generate_after_shutdown_raises_engine_shutdown(
+    output: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = ts.SimEngine()
+    async with ts.open_worker(engine) as worker:
+        pass
+    ctx = ts.RequestContext("chatcmpl-late")
+    with pytest.raises(ts.EngineShutdown, match=re.escape("shutting down")):
+        async with worker.generate(HELLO, ctx, output=output):  # type: ignore[arg-type]
+            pytest.fail("a shut-down worker opened a stream")
+    assert not ctx.cancelled
+    assert worker.open_streams == 0
+    assert_engine_untouched(engine)

@@ -1,0 +1,305 @@
+"""Lifecycle behaviour beyond the matrix: fallbacks, faults, shutdown order, sharing."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import trio_sglang as ts
+from _faulty import AbortMode, FaultyEngine
+
+REQUEST: dict[str, Any] = {"text": "hello there", "sampling_params": {"max_new_tokens": 5}}
+
+
+def slow_sim(**overrides: Any) -> ts.SimEngine:
+    """Registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ..., 6.5."""
+    knobs: dict[str, Any] = {
+        "tokenize_delay": 1.0,
+        "dispatch_delay": 0.5,
+        "first_token_delay": 1.0,
+        "token_interval": 1.0,
+    }
+    return ts.SimEngine(**(knobs | overrides))
+
+
+async def stream_until(
+    worker: ts.Worker, ctx: ts.RequestContext, *, chunks: int, then: Callable[[], Awaitable[None]]
+) -> float:
+    """Read ``chunks`` chunks, run ``then``, leave, and return when the block was left."""
+    async with worker.generate(REQUEST, ctx) as stream:
+        async for _ in stream:
+            chunks -= 1
+            if chunks == 0:
+                await then()
+                break
+    return trio.current_time()
+
+
+async def read_one_chunk(worker: ts.Worker, ctx: ts.RequestContext) -> float:
+    return await stream_until(worker, ctx, chunks=1, then=trio.lowlevel.checkpoint)
+
+
+def only_rid(engine: ts.SimEngine) -> str:
+    (rid,) = {event.rid for event in engine.trace}
+    return rid
+
+
+async def test_stopped_context_never_reaches_the_engine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = slow_sim()
+    ctx = ts.RequestContext("gone-before-start")
+    ctx.kill()
+    async with ts.open_worker(engine) as worker:
+        async with worker.generate(REQUEST, ctx) as stream:
+            async for _ in stream:
+                pytest.fail("a killed context must not stream")
+        assert stream.closed
+    assert engine.trace == []
+
+
+async def test_one_context_stops_every_stream_it_opened(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = slow_sim()
+    ctx = ts.RequestContext("shared")
+    left: list[float] = []
+
+    async def one() -> None:
+        async with worker.generate(REQUEST, ctx) as stream:
+            async for _ in stream:
+                pass
+        left.append(trio.current_time())
+
+    async with ts.open_worker(engine) as worker, trio.open_nursery() as nursery:
+        nursery.start_soon(one)
+        nursery.start_soon(one)
+        await trio.sleep(3.0)
+        ctx.stop()
+    assert left == [3.0, 3.0]
+    assert ctx.stopped
+    assert not ctx.killed
+    assert engine.live_rids() == set()
+    assert [e.kind for e in engine.trace].count("abort_applied") == 2
+
+
+async def test_other_requests_keep_streaming_while_one_is_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = slow_sim()
+    contexts = [ts.RequestContext(f"r{i}") for i in range(10)]
+    got: dict[str, int] = {}
+
+    async def one(ctx: ts.RequestContext) -> None:
+        got[ctx.id] = 0
+        async with worker.generate(REQUEST, ctx, output="tokens") as stream:
+            async for _ in stream:
+                got[ctx.id] += 1
+
+    async with ts.open_worker(engine) as worker, trio.open_nursery() as nursery:
+        for ctx in contexts:
+            nursery.start_soon(one, ctx)
+        await trio.sleep(3.0)
+        for ctx in contexts[::2]:
+            ctx.kill()
+    assert got == {ctx.id: 1 if i % 2 == 0 else 5 for i, ctx in enumerate(contexts)}
+    kinds = [e.kind for e in engine.trace]
+    assert kinds.count("finished") == 5
+    assert kinds.count("abort_applied") == 5
+    assert engine.live_rids() == set()
+
+
+async def test_an_error_in_the_body_aborts_and_propagates(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = slow_sim()
+
+    async def fail() -> None:
+        raise KeyError("client bug")
+
+    async with ts.open_worker(engine) as worker:
+        with pytest.raises(KeyError, match="client bug"):
+            await stream_until(worker, ts.RequestContext("c"), chunks=2, then=fail)
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.live_rids() == set()
+        assert engine.trace.kinds(only_rid(engine))[-2:] == ["abort_requested", "abort_applied"]
+
+
+async def test_an_engine_error_mid_stream_reaches_the_caller_and_still_stops_the_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = FaultyEngine(slow_sim(), break_after=2)
+    async with ts.open_worker(engine) as worker:
+        with pytest.raises(RuntimeError, match="engine crashed"):
+            await stream_until(worker, ts.RequestContext("c"), chunks=5, then=pytest.fail)
+        assert trio.current_time() == 3.5
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.sim.live_rids() == set()
+        assert engine.sim.trace.kinds(only_rid(engine.sim))[-2:] == [
+            "abort_requested",
+            "abort_applied",
+        ]
+
+
+async def test_an_abort_that_raises_is_retried_and_logged(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No release path: only the worker's ordered abort can stop the request.
+    engine = FaultyEngine(slow_sim(release_on_close=False), abort_mode="raise_once")
+    policy = ts.AbortPolicy(release_timeout=0.5, abort_retry_delay=0.25)
+    async with ts.open_worker(engine, policy=policy) as worker:
+        left = await read_one_chunk(worker, ts.RequestContext("pub-1"))
+        await trio.sleep(5)
+    assert left == 2.5  # the stream closed at once
+    # closing did not free it (0.5 s), the first abort raised, the retry took.
+    assert engine.abort_calls == [3.0, 3.25]
+    assert engine.sim.live_rids() == set()
+    assert "took on attempt 2" in caplog.text
+    assert "pub-1" in caplog.text
+    assert only_rid(engine.sim) in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["raise", "refuse"])
+async def test_retries_are_bounded_when_the_abort_never_takes(
+    mode: AbortMode, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = FaultyEngine(slow_sim(release_on_close=False), abort_mode=mode)
+    policy = ts.AbortPolicy(release_timeout=0.5, abort_retry_delay=0.25, abort_attempts=3)
+    async with ts.open_worker(engine, policy=policy) as worker:
+        left = await read_one_chunk(worker, ts.RequestContext("pub-2"))
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(10)
+        assert worker.pending_cleanups == 0
+    assert left == 2.5
+    assert len(engine.abort_calls) == policy.abort_attempts
+    if mode == "raise":
+        assert engine.abort_calls == [3.0, 3.25, 3.5]
+    else:
+        assert engine.abort_calls == [3.0, 3.75, 4.5]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    assert "after 3 abort attempts" in errors[0].getMessage()
+    assert "pub-2" in errors[0].getMessage()
+    # The engine was never able to stop it: it ran to its natural end.
+    assert engine.sim.trace.kinds(only_rid(engine.sim))[-1] == "finished"
+
+
+async def test_the_fallback_waits_for_dispatch_before_aborting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Without a release path, a cancel during tokenization leaves the state
+    # registered; the generator is gone, so it never dispatches. The worker
+    # must not abort (it would be lost) and gives up after dispatch_timeout.
+    engine = slow_sim(release_on_close=False)
+    policy = ts.AbortPolicy(release_timeout=0.5, dispatch_timeout=2.0)
+    ctx = ts.RequestContext("never-dispatched")
+    async with ts.open_worker(engine, policy=policy) as worker:
+        with trio.move_on_after(0.5):
+            await read_one_chunk(worker, ctx)
+        await trio.sleep(5)
+        assert worker.pending_cleanups == 0
+    assert engine.trace.kinds(only_rid(engine)) == ["registered"]
+
+
+async def test_the_fallback_aborts_right_after_a_late_dispatch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # An engine that never releases and dispatches late: the worker waits
+    # for the dispatch (woken, not polled) and aborts at that very moment.
+    engine = FaultyEngine(slow_sim(release_on_close=False))
+    policy = ts.AbortPolicy(release_timeout=0.25)
+    async with ts.open_worker(engine, policy=policy) as worker:
+        ctx = ts.RequestContext("late")
+        async with worker.generate(REQUEST, ctx) as stream:
+            with trio.move_on_after(0.5):
+                await stream.__anext__()
+            # The cancelled pull left the state registered; the "generator"
+            # still dispatches it (as an engine without release would).
+            (state,) = engine.sim.tokenizer_manager.rid_to_state.values()
+        await trio.sleep_until(1.5)
+        engine.sim.tokenizer_manager.dispatch(state)
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.abort_calls == [1.5]
+        assert engine.sim.live_rids() == set()
+
+
+async def test_shutdown_cancels_pending_cleanup_before_the_engine_closes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pending_at_close: list[int] = []
+    engine = FaultyEngine(
+        slow_sim(release_on_close=False),
+        abort_mode="refuse",
+        on_close=lambda: pending_at_close.append(worker.pending_cleanups),
+    )
+    policy = ts.AbortPolicy(release_timeout=2.0, shutdown_grace=1.0)
+    async with ts.open_worker(engine, policy=policy) as worker:
+        async with trio.open_nursery() as nursery:
+            for i in range(100):
+                ctx = ts.RequestContext(f"r{i}")
+                nursery.start_soon(read_one_chunk, worker, ctx)
+        await trio.sleep(1.0)
+        assert worker.pending_cleanups == 100
+        exit_started = trio.current_time()
+    assert engine.closed_at == exit_started + policy.shutdown_grace
+    assert pending_at_close == [0]
+
+
+async def test_shutdown_is_immediate_when_nothing_is_pending(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = slow_sim()
+    async with ts.open_worker(engine) as worker:
+        await stream_until(worker, ts.RequestContext("a"), chunks=5, then=trio.lowlevel.checkpoint)
+        before = trio.current_time()
+    assert trio.current_time() == before
+
+
+async def test_generate_after_shutdown_raises_engine_shutdown(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = slow_sim()
+    async with ts.open_worker(engine) as worker:
+        pass
+    with pytest.raises(ts.EngineShutdown):
+        async with worker.generate(REQUEST, ts.RequestContext("late")):
+            pytest.fail("unreachable")
+    assert engine.trace == []
+
+
+async def test_open_worker_rejects_a_policy_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="AbortPolicy"):
+        async with ts.open_worker(ts.SimEngine(), policy={"close_timeout": 1}):  # type: ignore[arg-type]
+            pass
+
+
+async def test_aclose_from_another_task_ends_a_pull_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = slow_sim()
+
+    async def watchdog(stream: ts.ResponseStream) -> None:
+        await trio.sleep(2.0)
+        await stream.aclose()
+
+    async with ts.open_worker(engine) as worker:
+        async with (
+            worker.generate(REQUEST, ts.RequestContext("w")) as stream,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(watchdog, stream)
+            async for _ in stream:
+                pytest.fail("closed before the first token")
+        assert trio.current_time() == 2.0
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.trace.kinds(only_rid(engine)) == [
+            "registered",
+            "dispatched",
+            "abort_requested",
+            "abort_applied",
+        ]

@@ -1,0 +1,329 @@
+"""Unit tests of the small pieces the lifecycle is built from.
+
+``AbortPolicy`` (validated, frozen bounds), ``RequestContext`` (the caller's
+handle), ``mint_rid`` (internal rids that can never prefix-match each other),
+``format_chunk`` (public ids only, the engine's dict never mutated) and
+``build_capabilities`` (versioned metadata derived from the engine's features).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import math
+import re
+import string
+from typing import Any
+
+import pytest
+import trio.testing
+
+import trio_sglang as ts
+from trio_sglang._capabilities import SCHEMA_VERSION, build_capabilities
+from trio_sglang._ids import RID_LENGTH, mint_rid
+from trio_sglang._outputs import format_chunk
+
+# -- AbortPolicy -------------------------------------------------------------------
+
+POLICY_FIELDS = [field.name for field in dataclasses.fields(ts.AbortPolicy)]
+DURATION_FIELDS = [name for name in POLICY_FIELDS if name != "abort_attempts"]
+
+
+def test_abort_policy_defaults_are_valid() -> None:
+    policy = ts.AbortPolicy()
+    for name in DURATION_FIELDS:
+        value = getattr(policy, name)
+        assert isinstance(value, float)
+        assert 0 < value < math.inf
+    assert policy.abort_attempts >= 1
+    assert ts.AbortPolicy(**dataclasses.asdict(policy)) == policy
+
+
+def test_abort_policy_is_frozen() -> None:
+    policy = ts.AbortPolicy()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.close_timeout = 2.0  # type: ignore[misc]
+    assert policy.close_timeout == ts.AbortPolicy().close_timeout
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 3, 0.25])
+@pytest.mark.parametrize("name", DURATION_FIELDS)
+def test_abort_policy_durations_accept_numbers_from_zero(name: str, value: float) -> None:
+    assert getattr(ts.AbortPolicy(**{name: value}), name) == value
+
+
+@pytest.mark.parametrize("value", [-1, -0.001, math.nan, True, False, "1.0", None], ids=repr)
+@pytest.mark.parametrize("name", POLICY_FIELDS)
+def test_abort_policy_rejects_bad_values(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"AbortPolicy\.{name} must be"):
+        ts.AbortPolicy(**{name: value})
+
+
+@pytest.mark.parametrize("value", [0, 1.0, 2.5], ids=repr)
+def test_abort_attempts_rejects_zero_and_floats(value: object) -> None:
+    with pytest.raises(ValueError, match=r"AbortPolicy\.abort_attempts must be an int >= 1"):
+        ts.AbortPolicy(abort_attempts=value)  # type: ignore[arg-type]
+
+
+def test_abort_attempts_accepts_one() -> None:
+    assert ts.AbortPolicy(abort_attempts=1).abort_attempts == 1
+
+
+# -- RequestContext ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_id", ["", None, 7, b"chatcmpl-1", ["chatcmpl-1"]], ids=repr)
+def test_request_context_rejects_bad_ids(bad_id: object) -> None:
+    with pytest.raises(ValueError, match="non-empty string"):
+        ts.RequestContext(bad_id)  # type: ignore[arg-type]
+
+
+def test_request_context_starts_active() -> None:
+    ctx = ts.RequestContext("chatcmpl-123")
+    assert ctx.id == "chatcmpl-123"
+    assert (ctx.stopped, ctx.killed, ctx.cancelled) == (False, False, False)
+    assert repr(ctx) == "RequestContext('chatcmpl-123', active)"
+
+
+def test_request_context_stop() -> None:
+    ctx = ts.RequestContext("c")
+    ctx.stop()
+    ctx.stop()  # idempotent
+    assert (ctx.stopped, ctx.killed, ctx.cancelled) == (True, False, True)
+    assert repr(ctx) == "RequestContext('c', stopped)"
+
+
+def test_request_context_kill() -> None:
+    ctx = ts.RequestContext("c")
+    ctx.kill()
+    assert (ctx.stopped, ctx.killed, ctx.cancelled) == (False, True, True)
+    assert repr(ctx) == "RequestContext('c', killed)"
+
+
+def test_request_context_kill_wins_in_repr() -> None:
+    ctx = ts.RequestContext("c")
+    ctx.stop()
+    ctx.kill()
+    assert (ctx.stopped, ctx.killed, ctx.cancelled) == (True, True, True)
+    assert repr(ctx) == "RequestContext('c', killed)"
+
+
+def test_request_context_id_is_read_only() -> None:
+    ctx = ts.RequestContext("c")
+    with pytest.raises(AttributeError):
+        ctx.id = "other"  # type: ignore[misc]
+
+
+# -- mint_rid --------------------------------------------------------------------------
+
+
+def test_mint_rid_is_fixed_length_hex() -> None:
+    assert RID_LENGTH == 32
+    for _ in range(100):
+        rid = mint_rid()
+        assert len(rid) == RID_LENGTH
+        assert set(rid) <= set(string.hexdigits.lower())
+
+
+def test_mint_rid_never_repeats_nor_prefixes() -> None:
+    rids = sorted(mint_rid() for _ in range(10_000))
+    assert len(set(rids)) == len(rids)
+    # In sorted order, a string that is a prefix of any other is a prefix of
+    # its successor, so neighbours are enough.
+    for before, after in itertools.pairwise(rids):
+        assert not after.startswith(before)
+
+
+# -- format_chunk ------------------------------------------------------------------------
+
+INTERNAL_RID = "0123456789abcdef0123456789abcdef"
+PUBLIC_ID = "chatcmpl-123"
+
+
+def engine_output(
+    *, finish_reason: object = None, index: int | None = None, **fields: Any
+) -> dict[str, Any]:
+    """An SGLang streamed output dict, as the engine yields it."""
+    out: dict[str, Any] = {
+        "text": " the cat",
+        "output_ids": [5, 9],
+        "meta_info": {
+            "id": INTERNAL_RID,
+            "finish_reason": finish_reason,
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "cached_tokens": 0,
+        },
+        **fields,
+    }
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def assert_no_internal_rid(chunk: dict[str, Any]) -> None:
+    assert INTERNAL_RID not in json.dumps(chunk)
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        pytest.param(None, None, id="none"),
+        pytest.param({"type": "length", "length": 2}, "length", id="length"),
+        pytest.param({"type": "stop", "matched": 2}, "stop", id="stop"),
+        pytest.param({"type": "abort", "message": "Abort by request."}, "abort", id="abort"),
+        pytest.param({"message": "?"}, "unknown", id="dict-without-type"),
+        pytest.param("length", "length", id="plain-str"),
+    ],
+)
+def test_format_chunk_tokens(reason: object, expected: str | None) -> None:
+    out = engine_output(finish_reason=reason)
+    chunk = format_chunk("tokens", out, PUBLIC_ID)
+    assert chunk == {"index": 0, "token_ids": [5, 9], "finish_reason": expected}
+    assert chunk["token_ids"] is not out["output_ids"]
+    assert_no_internal_rid(chunk)
+    assert PUBLIC_ID not in json.dumps(chunk)  # token chunks carry no id at all
+
+
+def test_format_chunk_tokens_keeps_index_and_handles_missing_fields() -> None:
+    chunk = format_chunk("tokens", engine_output(index=2), PUBLIC_ID)
+    assert chunk["index"] == 2
+    assert format_chunk("tokens", {"meta_info": {"id": INTERNAL_RID}}, PUBLIC_ID) == {
+        "index": 0,
+        "token_ids": [],
+        "finish_reason": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [(None, None), ({"type": "length", "length": 2}, "length"), ({"type": "abort"}, "abort")],
+    ids=["none", "length", "abort"],
+)
+def test_format_chunk_text(reason: object, expected: str | None) -> None:
+    chunk = format_chunk("text", engine_output(finish_reason=reason, index=1), PUBLIC_ID)
+    assert chunk["id"] == PUBLIC_ID
+    assert chunk["object"] == "text_completion"
+    assert chunk["choices"] == [{"index": 1, "text": " the cat", "finish_reason": expected}]
+    assert_no_internal_rid(chunk)
+
+
+def test_format_chunk_native_remaps_the_id_on_a_copy() -> None:
+    out = engine_output(finish_reason={"type": "length", "length": 2}, index=3, extra=[1])
+    before = copy.deepcopy(out)
+    chunk = format_chunk("native", out, PUBLIC_ID)
+
+    assert out == before  # the engine's dict is not mutated
+    assert chunk is not out
+    assert chunk["meta_info"] is not out["meta_info"]
+    assert chunk["meta_info"] == {**before["meta_info"], "id": PUBLIC_ID}
+    assert {k: v for k, v in chunk.items() if k != "meta_info"} == {
+        k: v for k, v in before.items() if k != "meta_info"
+    }
+    assert chunk["index"] == 3
+    assert_no_internal_rid(chunk)
+
+
+def test_format_chunk_native_without_meta_info() -> None:
+    out: dict[str, Any] = {"text": "x", "output_ids": [1]}
+    assert format_chunk("native", out, PUBLIC_ID) == {**out, "meta_info": {"id": PUBLIC_ID}}
+    assert "meta_info" not in out
+
+
+@pytest.mark.parametrize("output", ["tokens", "text", "native"])
+def test_format_chunk_never_mutates_its_input(output: str) -> None:
+    out = engine_output(finish_reason={"type": "stop"}, index=0)
+    before = copy.deepcopy(out)
+    format_chunk(output, out, PUBLIC_ID)  # type: ignore[arg-type]
+    assert out == before
+
+
+# -- build_capabilities -------------------------------------------------------------------
+
+FULL_FEATURES: dict[str, object] = {
+    "kind": "sim",
+    "sglang_version": "0.5.23",
+    "request_registry": True,
+    "dispatch_timestamp": True,
+    "abort_sent_flag": True,
+    "release_on_close": True,
+}
+LIFECYCLE_FEATURES = (
+    "stream_closes_at_cancel_v1",
+    "early_exit_aborts_v1",
+    "bounded_detached_cleanup_v1",
+    "public_ids_only_v1",
+)
+ENGINE_FEATURES = ("ordered_abort_v1", "cancel_before_first_output_v1")
+
+
+def without(key: str) -> dict[str, object]:
+    return {k: v for k, v in FULL_FEATURES.items() if k != key}
+
+
+def test_capabilities_shape() -> None:
+    caps = build_capabilities(FULL_FEATURES)
+    assert caps["schema_version"] == SCHEMA_VERSION == 1
+    assert caps["package"] == {"name": "trio-sglang", "version": ts.__version__}
+    assert caps["engine"] == {"kind": "sim", "sglang_version": "0.5.23"}
+    assert json.loads(json.dumps(caps)) == caps
+
+
+@pytest.mark.parametrize("features", [FULL_FEATURES, {}], ids=["full", "empty"])
+def test_capability_feature_keys_are_versioned_bools(features: dict[str, object]) -> None:
+    caps_features = build_capabilities(features)["features"]
+    assert set(caps_features) >= {*LIFECYCLE_FEATURES, *ENGINE_FEATURES}
+    for key, value in caps_features.items():
+        assert re.fullmatch(r"[a-z0-9_]+_v[1-9][0-9]*", key), key
+        assert isinstance(value, bool)
+
+
+def test_capabilities_with_every_engine_feature() -> None:
+    caps_features = build_capabilities(FULL_FEATURES)["features"]
+    assert all(caps_features[key] for key in (*LIFECYCLE_FEATURES, *ENGINE_FEATURES))
+
+
+@pytest.mark.parametrize(
+    ("features", "ordered_abort", "cancel_before_first_output"),
+    [
+        pytest.param({}, False, False, id="nothing-detected"),
+        pytest.param(without("request_registry"), False, False, id="no-registry"),
+        pytest.param(without("dispatch_timestamp"), False, False, id="no-dispatch-timestamp"),
+        pytest.param(without("release_on_close"), True, False, id="no-release-on-close"),
+        pytest.param({**FULL_FEATURES, "request_registry": False}, False, False, id="false"),
+        pytest.param({**FULL_FEATURES, "dispatch_timestamp": 1}, False, False, id="truthy-int"),
+        pytest.param({**FULL_FEATURES, "release_on_close": "yes"}, True, False, id="truthy-str"),
+    ],
+)
+def test_engine_derived_features(
+    features: dict[str, object], ordered_abort: bool, cancel_before_first_output: bool
+) -> None:
+    caps_features = build_capabilities(features)["features"]
+    assert caps_features["ordered_abort_v1"] is ordered_abort
+    assert caps_features["cancel_before_first_output_v1"] is cancel_before_first_output
+    # What the lifecycle guarantees by itself does not depend on the engine.
+    assert all(caps_features[key] is True for key in LIFECYCLE_FEATURES)
+
+
+@pytest.mark.parametrize("version", [None, 523, b"0.5.23", ["0.5.23"]], ids=repr)
+def test_sglang_version_is_none_unless_a_str(version: object) -> None:
+    caps = build_capabilities({**FULL_FEATURES, "sglang_version": version})
+    assert caps["engine"]["sglang_version"] is None
+
+
+def test_engine_kind_defaults_to_unknown() -> None:
+    assert build_capabilities({})["engine"] == {"kind": "unknown", "sglang_version": None}
+
+
+async def test_worker_capabilities_on_sim_engine(autojump_clock: trio.testing.MockClock) -> None:
+    engine = ts.SimEngine()
+    async with ts.open_worker(engine) as worker:
+        caps = worker.capabilities()
+    assert caps == build_capabilities(engine.features())
+    assert caps["engine"] == {"kind": "sim", "sglang_version": "0.5.23"}
+    assert caps["engine"]["sglang_version"] == ts.SimEngine.SGLANG_VERSION
+    assert caps["package"]["version"] == ts.__version__
+    assert all(caps["features"][key] for key in (*LIFECYCLE_FEATURES, *ENGINE_FEATURES))
+    assert list(engine.trace) == []
