@@ -173,6 +173,7 @@ class SimStream:
         self._tm = tm
         self._request = request
         self._started = False
+        self._pulling = False
         self._closed = False
         self._submitted = False
         self._unfinished = 0
@@ -186,6 +187,9 @@ class SimStream:
     async def __anext__(self) -> dict[str, Any]:
         if self._closed:
             raise StopAsyncIteration
+        if self._pulling:
+            raise RuntimeError("anext(): asynchronous generator is already running")
+        self._pulling = True
         ok = False
         try:
             if not self._started:
@@ -201,11 +205,16 @@ class SimStream:
                 await self._lot.park()
             ok = True
         finally:
+            self._pulling = False
             if not ok and not self._closed:
                 self._release()
         return self._outputs.popleft()
 
     async def aclose(self) -> None:
+        if self._pulling:
+            # As with SGLang's async generator: a pull in progress must be
+            # cancelled, not closed from under it.
+            raise RuntimeError("aclose(): asynchronous generator is already running")
         if not self._closed:
             self._release()
         await trio.lowlevel.checkpoint()
@@ -253,6 +262,11 @@ class SimStream:
         multi = batch or n > 1
         count = len(prompts) * n
         if isinstance(rid, list):
+            if len(rid) != len(prompts):
+                raise ValueError(
+                    f"The specified rids length mismatch with the batch_size: "
+                    f"{len(rid)} rids for {len(prompts)} prompts"
+                )
             rids = list(rid)
         elif multi:
             rids = [f"{rid}_{i}" for i in range(count)]

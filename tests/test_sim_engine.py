@@ -1,0 +1,679 @@
+"""The SimEngine on its own: it must reproduce SGLang 0.5.23 as SGLANG_FACTS.md describes it.
+
+Each test drives ``SimEngine`` directly (no worker) on trio's ``MockClock`` and
+judges it from its trace, its registry and what the stream yields. Together
+they prove that the model keeps SGLang's traps (a lazy stream, an abort lost
+before dispatch and blocking every later abort, prefix matching, no
+tombstone, the leak of an abandoned stream, fresh uuid rids for ``n > 1``)
+and SGLang's one reliable way out (closing or cancelling the stream runs the
+release path), at exact clock times.
+
+Default timeline (seconds after the first pull, ``make_engine()``): registered
+at 0, tokenized until 1, dispatched at 1.5, tokens at 2.5, 3.0, 3.5 ... (one
+every 0.5 s); a three-token request finishes at 3.5.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_sglang import EngineStream, RequestPhase, SimEngine
+
+TOKENIZE = 1.0
+DISPATCH = 0.5
+FIRST_TOKEN = 1.0
+INTERVAL = 0.5
+DISPATCHED_AT = TOKENIZE + DISPATCH  # 1.5
+FIRST_TOKEN_AT = DISPATCHED_AT + FIRST_TOKEN  # 2.5
+LATER = 20.0  # long after anything could still happen
+UUID_HEX = re.compile(r"[0-9a-f]{32}")
+ABORTS = ("abort_requested", "abort_dropped", "abort_applied", "abort_lost")
+KNOBS = ("tokenize_delay", "dispatch_delay", "first_token_delay", "token_interval")
+
+Timeline = list[tuple[float, str]]
+
+
+def make_engine(**timing: float) -> SimEngine:
+    """The default timeline, with some knobs overridden."""
+    assert set(timing) <= set(KNOBS), timing
+    return SimEngine(
+        tokenize_delay=timing.get("tokenize_delay", TOKENIZE),
+        dispatch_delay=timing.get("dispatch_delay", DISPATCH),
+        first_token_delay=timing.get("first_token_delay", FIRST_TOKEN),
+        token_interval=timing.get("token_interval", INTERVAL),
+    )
+
+
+def request(
+    rid: str | list[str], text: str | list[str] = "hello world", **sampling: int
+) -> dict[str, Any]:
+    """An SGLang ``/generate`` body; three new tokens unless told otherwise."""
+    sampling.setdefault("max_new_tokens", 3)
+    return {"text": text, "rid": rid, "sampling_params": sampling}
+
+
+def normal_run(max_new_tokens: int = 3, dispatched_at: float = DISPATCHED_AT) -> Timeline:
+    """A request that nothing stops: every token, then ``finished``."""
+    first = dispatched_at + FIRST_TOKEN
+    tokens = [(first + i * INTERVAL, "token") for i in range(max_new_tokens)]
+    return [
+        (0.0, "registered"),
+        (dispatched_at, "dispatched"),
+        *tokens,
+        (tokens[-1][0], "finished"),
+    ]
+
+
+def finish_reason(out: dict[str, Any]) -> Any:
+    return out["meta_info"]["finish_reason"]
+
+
+def registered_rids(engine: SimEngine) -> list[str]:
+    """Every rid the engine registered, in order."""
+    return [event.rid for event in engine.trace if event.kind == "registered"]
+
+
+@dataclass
+class Pulled:
+    """What one consumer got: outputs with their arrival times, and how it ended."""
+
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    ended_at: float | None = None  # when StopAsyncIteration came
+
+
+@dataclass
+class Harness:
+    """A running engine, a nursery for consumers, and the clock relative to the start."""
+
+    engine: SimEngine
+    nursery: trio.Nursery
+    t0: float
+
+    def now(self) -> float:
+        return trio.current_time() - self.t0
+
+    async def at(self, offset: float) -> None:
+        await trio.sleep_until(self.t0 + offset)
+
+    def timeline(self, rid: str) -> Timeline:
+        return [(event.time - self.t0, event.kind) for event in self.engine.trace.of(rid)]
+
+    async def pull(self, stream: EngineStream, pulled: Pulled, limit: float = math.inf) -> None:
+        """Pull up to ``limit`` outputs (to the end by default), leaving the stream open."""
+        while len(pulled.outputs) < limit:
+            try:
+                out = await stream.__anext__()
+            except StopAsyncIteration:
+                pulled.ended_at = self.now()
+                return
+            pulled.outputs.append(out)
+            pulled.times.append(self.now())
+
+    def consume(self, stream: EngineStream, limit: float = math.inf) -> Pulled:
+        """Start pulling ``stream`` in a sibling task; returns what it records."""
+        pulled = Pulled()
+        self.nursery.start_soon(self.pull, stream, pulled, limit)
+        return pulled
+
+
+@asynccontextmanager
+async def started(engine: SimEngine) -> AsyncIterator[Harness]:
+    async with engine.running(), trio.open_nursery() as nursery:
+        yield Harness(engine, nursery, trio.current_time())
+
+
+def assert_idle(engine: SimEngine) -> None:
+    assert engine.live_rids() == set()
+    assert engine.tokenizer_manager.rid_to_state == {}
+    assert engine.tokenizer_manager.scheduler.rids() == set()
+
+
+# -- 1. lazy start -------------------------------------------------------------
+
+
+async def test_stream_starts_nothing_until_first_pull(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request("r1"))
+        await h.at(5.0)
+        assert engine.trace == []
+        assert engine.phase("r1") is RequestPhase.ABSENT
+        assert_idle(engine)
+        pulled = h.consume(stream, limit=1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.timeline("r1") == [(5.0, "registered")]
+        assert engine.phase("r1") is RequestPhase.REGISTERED
+    assert pulled.times == [5.0 + FIRST_TOKEN_AT]
+
+
+async def test_closing_an_unstarted_stream_touches_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request("r1"))
+        await stream.aclose()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        await h.at(LATER)
+    assert engine.trace == []
+    assert_idle(engine)
+
+
+# -- 2. a normal run -----------------------------------------------------------
+
+
+async def test_normal_run_timeline_and_outputs(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        pulled = h.consume(engine.generate(request("r1")))
+    assert h.timeline("r1") == normal_run()
+    assert pulled.times == [2.5, 3.0, 3.5]
+    assert pulled.ended_at == 3.5
+    for count, out in enumerate(pulled.outputs, start=1):
+        assert "index" not in out
+        assert len(out["output_ids"]) == 1
+        assert isinstance(out["output_ids"][0], int)
+        assert out["text"].startswith(" ")
+        assert len(out["text"].split()) == 1
+        meta = out["meta_info"]
+        assert meta["id"] == "r1"
+        assert meta["prompt_tokens"] == 2  # "hello world"
+        assert meta["completion_tokens"] == count
+    assert [finish_reason(out) for out in pulled.outputs] == [
+        None,
+        None,
+        {"type": "length", "length": 3},
+    ]
+    assert engine.phase("r1") is RequestPhase.ABSENT
+    assert_idle(engine)
+
+
+# -- 3, 4, 6. aborts by rid ----------------------------------------------------
+
+
+async def test_abort_during_tokenization_is_lost_and_blocks_later_aborts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        pulled = h.consume(engine.generate(request("r1")))
+        await h.at(0.5)
+        assert engine.phase("r1") is RequestPhase.REGISTERED
+        engine.abort("r1")
+        await h.at(2.0)
+        assert engine.phase("r1") is RequestPhase.DISPATCHED
+        engine.abort("r1")
+    assert h.timeline("r1") == [
+        (0.0, "registered"),
+        (0.5, "abort_requested"),
+        (0.5, "abort_lost"),
+        (1.5, "dispatched"),
+        (2.0, "abort_dropped"),
+        (2.5, "token"),
+        (3.0, "token"),
+        (3.5, "token"),
+        (3.5, "finished"),
+    ]
+    assert [e.detail for e in engine.trace.of("r1") if e.kind == "abort_dropped"] == [
+        "abort already sent"
+    ]
+    assert len(pulled.outputs) == 3
+    assert finish_reason(pulled.outputs[-1]) == {"type": "length", "length": 3}
+    assert_idle(engine)
+
+
+async def test_second_abort_of_a_dispatched_rid_is_dropped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        pulled = h.consume(engine.generate(request("r1")))
+        await h.at(2.0)
+        engine.abort("r1")
+        engine.abort("r1")
+    assert h.timeline("r1") == [
+        (0.0, "registered"),
+        (1.5, "dispatched"),
+        (2.0, "abort_requested"),
+        (2.0, "abort_applied"),
+        (2.0, "abort_dropped"),
+    ]
+    assert pulled.times == [2.0]
+    assert finish_reason(pulled.outputs[0])["type"] == "abort"
+    assert pulled.ended_at == 2.0
+    assert_idle(engine)
+
+
+async def test_abort_of_an_unknown_rid_never_reaches_the_scheduler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine):
+        engine.abort("nobody")
+    assert [(e.kind, e.rid, e.detail) for e in engine.trace] == [
+        ("abort_dropped", "nobody", "unknown rid")
+    ]
+
+
+async def test_scheduler_keeps_no_tombstone(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        pulled = h.consume(engine.generate(request("r1")))
+        await h.at(0.5)
+        engine.tokenizer_manager.scheduler.abort("r1")  # it reaches the scheduler first
+    assert h.timeline("r1") == [(0.0, "registered"), (0.5, "abort_lost"), *normal_run()[1:]]
+    assert finish_reason(pulled.outputs[-1]) == {"type": "length", "length": 3}
+    assert_idle(engine)
+
+
+# -- 5. prefix matching --------------------------------------------------------
+
+
+async def test_abort_matches_by_prefix(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        r1 = h.consume(engine.generate(request("r1")))
+        r10 = h.consume(engine.generate(request("r10")))
+        await h.at(2.75)  # both decoding, one token each
+        engine.abort("r1")
+    aborted = [(2.75, "abort_applied")]
+    assert h.timeline("r1") == [*normal_run()[:3], (2.75, "abort_requested"), *aborted]
+    assert h.timeline("r10") == [*normal_run()[:3], *aborted]
+    for pulled in (r1, r10):
+        assert pulled.times == [2.5, 2.75]
+        assert finish_reason(pulled.outputs[-1])["type"] == "abort"
+        assert pulled.ended_at == 2.75
+    assert r10.outputs[-1]["meta_info"]["id"] == "r10"
+    assert_idle(engine)
+
+
+# -- 7. the release path -------------------------------------------------------
+
+
+async def test_cancelled_pull_during_tokenization_releases(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request("r1"))
+        with trio.move_on_after(0.5) as scope:
+            await stream.__anext__()
+        assert scope.cancelled_caught
+        assert engine.phase("r1") is RequestPhase.ABSENT
+        await h.at(LATER)
+    assert h.timeline("r1") == [(0.0, "registered"), (0.5, "released")]
+    assert len(engine.trace) == 2  # nothing for any other rid either
+    assert_idle(engine)
+
+
+async def test_cancelled_pull_after_dispatch_aborts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request("r1"))
+        with trio.move_on_after(2.0):
+            await stream.__anext__()
+        assert_idle(engine)
+        await h.at(LATER)
+    assert h.timeline("r1") == [
+        (0.0, "registered"),
+        (1.5, "dispatched"),
+        (2.0, "abort_requested"),
+        (2.0, "abort_applied"),
+    ]
+    assert_idle(engine)
+
+
+async def test_aclose_mid_stream_aborts(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request("r1"))
+        await stream.__anext__()
+        await h.at(2.75)  # parked between items
+        await stream.aclose()
+        assert_idle(engine)
+        await h.at(LATER)
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+    assert h.timeline("r1") == [
+        *normal_run()[:3],
+        (2.75, "abort_requested"),
+        (2.75, "abort_applied"),
+    ]
+
+
+async def test_aclose_after_the_final_output_sends_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request("r1"))
+        pulled = Pulled()
+        await h.pull(stream, pulled, limit=3)
+        assert finish_reason(pulled.outputs[-1]) is not None
+        await h.at(4.0)
+        await stream.aclose()
+        await h.at(LATER)
+    assert h.timeline("r1") == normal_run()
+    assert not any(event.kind in ABORTS for event in engine.trace)
+
+
+# -- 8. the leak of an abandoned stream ----------------------------------------
+
+
+async def test_abandoned_stream_keeps_decoding(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request("r1", max_new_tokens=5))
+        await stream.__anext__()  # then the consumer walks away without aclose
+        await h.at(3.25)
+        assert engine.phase("r1") is RequestPhase.DISPATCHED
+        assert engine.live_rids() == {"r1"}
+        await h.at(LATER)
+        assert h.timeline("r1") == normal_run(max_new_tokens=5)
+        assert_idle(engine)
+        rest = [out async for out in stream]  # the outputs were produced all along
+    assert len(rest) == 4
+    assert finish_reason(rest[-1]) == {"type": "length", "length": 5}
+
+
+# -- 9. phases -----------------------------------------------------------------
+
+
+async def test_phase_and_wait_phase_change(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    seen: list[tuple[float, RequestPhase]] = []
+
+    async def watch(h: Harness) -> None:
+        phase = RequestPhase.ABSENT
+        while len(seen) < 3:
+            phase = await engine.wait_phase_change("r1", phase)
+            seen.append((h.now(), phase))
+
+    async with started(engine) as h:
+        h.nursery.start_soon(watch, h)
+        await h.at(0.5)
+        assert engine.phase("r1") is RequestPhase.ABSENT
+        h.consume(engine.generate(request("r1")))
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.phase("r1") is RequestPhase.REGISTERED
+        assert await engine.wait_phase_change("r1", RequestPhase.REGISTERED) is (
+            RequestPhase.DISPATCHED
+        )
+        assert h.now() == 0.5 + DISPATCHED_AT
+        assert engine.phase("r1") is RequestPhase.DISPATCHED
+        # An unchanged phase returns at once.
+        assert await engine.wait_phase_change("r1", RequestPhase.ABSENT) is (
+            RequestPhase.DISPATCHED
+        )
+        assert h.now() == 0.5 + DISPATCHED_AT
+    assert seen == [
+        (0.5, RequestPhase.REGISTERED),
+        (2.0, RequestPhase.DISPATCHED),
+        (4.0, RequestPhase.ABSENT),
+    ]
+    assert engine.phase("r1") is RequestPhase.ABSENT
+
+
+# -- 10. duplicate rid ---------------------------------------------------------
+
+
+async def test_duplicate_rid_raises_and_leaves_the_first_intact(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        first = h.consume(engine.generate(request("r1")))
+        await h.at(0.5)
+        state = engine.tokenizer_manager.rid_to_state["r1"]
+        with pytest.raises(ValueError, match="r1"):
+            await engine.generate(request("r1", text="other prompt")).__anext__()
+        assert engine.tokenizer_manager.rid_to_state["r1"] is state
+        assert engine.phase("r1") is RequestPhase.REGISTERED
+    assert h.timeline("r1") == normal_run()
+    assert finish_reason(first.outputs[-1]) == {"type": "length", "length": 3}
+    assert_idle(engine)
+
+
+# -- 11. native batch ----------------------------------------------------------
+
+BATCH_RIDS = [("b", ["b_0", "b_1"]), (["x", "y"], ["x", "y"])]
+
+
+@pytest.mark.parametrize(("rid", "rids"), BATCH_RIDS)
+async def test_native_batch_runs_each_prompt(
+    rid: str | list[str], rids: list[str], autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        pulled = h.consume(engine.generate(request(rid, ["a b", "c d e"], max_new_tokens=2)))
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(engine.tokenizer_manager.rid_to_state) == set(rids)
+    assert registered_rids(engine) == rids
+    assert h.timeline(rids[0]) == normal_run(2)
+    assert h.timeline(rids[1]) == normal_run(2, dispatched_at=DISPATCHED_AT + DISPATCH)
+    for index, child in enumerate(rids):
+        outs = [out for out in pulled.outputs if out["index"] == index]
+        assert [out["meta_info"]["id"] for out in outs] == [child, child]
+        assert [out["meta_info"]["prompt_tokens"] for out in outs] == [2 + index] * 2
+        assert [finish_reason(out) for out in outs] == [None, {"type": "length", "length": 2}]
+    assert len(pulled.outputs) == 4
+    assert pulled.ended_at == 3.5
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(("rid", "rids"), BATCH_RIDS)
+async def test_closing_a_native_batch_aborts_every_prompt(
+    rid: str | list[str], rids: list[str], autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = make_engine()
+    async with started(engine) as h:
+        stream = engine.generate(request(rid, ["a b", "c d e"], max_new_tokens=2))
+        first = await stream.__anext__()
+        assert first["index"] == 0
+        assert h.now() == FIRST_TOKEN_AT
+        await stream.aclose()
+        assert_idle(engine)
+        await h.at(LATER)
+    aborted = [(2.5, "abort_requested"), (2.5, "abort_applied")]
+    assert h.timeline(rids[0]) == [*normal_run(2)[:3], *aborted]
+    assert h.timeline(rids[1]) == [(0.0, "registered"), (2.0, "dispatched"), *aborted]
+
+
+# -- 12. n > 1 -----------------------------------------------------------------
+
+PARENTS = ["p_0", "p_1", "p_2"]
+
+
+def split_parallel(engine: SimEngine) -> tuple[str, list[str]]:
+    """The warm-up rid and the child rids, checking the rid_i states came first."""
+    rids = registered_rids(engine)
+    assert rids[:3] == PARENTS
+    warm_up, *children = rids[3:]
+    assert len(children) == 3
+    for rid in [warm_up, *children]:
+        assert UUID_HEX.fullmatch(rid), rid
+        assert not rid.startswith("p")
+    assert len(set(children)) == 3
+    return warm_up, children
+
+
+async def test_parallel_sampling_uses_fresh_uuid_children(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine(dispatch_delay=0.0)
+    async with started(engine) as h:
+        pulled = h.consume(engine.generate(request("p", "hi", n=3, max_new_tokens=2)))
+        await h.at(0.5)
+        assert set(engine.tokenizer_manager.rid_to_state) == set(PARENTS)
+        await h.at(3.25)  # every child decoding
+        engine.abort("p")  # the caller's rid is unknown to the engine
+    warm_up, children = split_parallel(engine)
+    for parent in PARENTS:
+        assert h.timeline(parent) == [(0.0, "registered"), (2.0, "released")]
+    assert h.timeline(warm_up) == [(1.0, "registered"), (1.0, "dispatched"), (2.0, "finished")]
+    trace = list(engine.trace)
+    warm_up_done = trace.index(engine.trace.of(warm_up)[-1])
+    assert all(trace.index(engine.trace.of(child)[1]) > warm_up_done for child in children)
+    for child in children:
+        assert h.timeline(child) == [
+            (2.0, "registered"),
+            (2.0, "dispatched"),
+            (3.0, "token"),
+            (3.5, "token"),
+            (3.5, "finished"),
+        ]
+    assert [(e.kind, e.detail) for e in engine.trace.of("p")] == [("abort_dropped", "unknown rid")]
+    assert not any(e.kind == "abort_lost" for e in engine.trace)
+    for index, child in enumerate(children):
+        outs = [out for out in pulled.outputs if out["index"] == index]
+        assert [out["meta_info"]["id"] for out in outs] == [child, child]
+        assert finish_reason(outs[-1]) == {"type": "length", "length": 2}
+    assert len(pulled.outputs) == 6
+    assert_idle(engine)
+
+
+async def test_closing_parallel_sampling_stops_every_child(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine(dispatch_delay=0.0)
+    async with started(engine) as h:
+        stream = engine.generate(request("p", "hi", n=3, max_new_tokens=2))
+        await stream.__anext__()
+        assert h.now() == 3.0
+        await stream.aclose()
+        assert_idle(engine)
+        await h.at(LATER)
+    _, children = split_parallel(engine)
+    for child in children:
+        assert h.timeline(child) == [
+            (2.0, "registered"),
+            (2.0, "dispatched"),
+            (3.0, "token"),
+            (3.0, "abort_requested"),
+            (3.0, "abort_applied"),
+        ]
+
+
+async def test_cancel_between_children_aborts_dispatched_and_releases_the_rest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = make_engine()  # children dispatched at 2.5, 3.0, 3.5
+    async with started(engine) as h:
+        stream = engine.generate(request("p", "hi", n=3, max_new_tokens=2))
+        with trio.move_on_after(2.75):
+            await stream.__anext__()
+        assert_idle(engine)
+        await h.at(LATER)
+    _, (sent, *unsent) = split_parallel(engine)
+    assert h.timeline(sent) == [
+        (2.0, "registered"),
+        (2.5, "dispatched"),
+        (2.75, "abort_requested"),
+        (2.75, "abort_applied"),
+    ]
+    for child in unsent:
+        assert h.timeline(child) == [(2.0, "registered"), (2.75, "released")]
+
+
+# -- 13. engine not running ----------------------------------------------------
+
+
+async def test_pull_outside_running_raises(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    stream = engine.generate(request("r1"))
+    with pytest.raises(trio.ClosedResourceError):
+        await stream.__anext__()
+    assert engine.trace == []
+    assert_idle(engine)
+
+
+async def test_running_twice_at_once_raises(autojump_clock: trio.testing.MockClock) -> None:
+    engine = make_engine()
+    async with engine.running():
+        with pytest.raises(RuntimeError, match="already running"):
+            async with engine.running():
+                pass  # pragma: no cover
+
+
+# -- 14. timing knobs ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [-1.0, -1e-9, math.nan, math.inf, -math.inf, True, False, "1"])
+@pytest.mark.parametrize("knob", KNOBS)
+async def test_bad_timing_knob_raises(
+    knob: str, value: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    with pytest.raises(ValueError, match=knob):
+        make_engine(**{knob: value})
+
+
+@pytest.mark.parametrize("knob", KNOBS)
+async def test_zero_and_integer_timing_knobs_are_accepted(
+    knob: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    assert getattr(make_engine(**{knob: 0}).timing, knob) == 0
+    assert getattr(make_engine(**{knob: 2}).timing, knob) == 2
+
+
+# -- divergences from SGLang: these fail until the SimEngine is fixed ------------
+
+
+@pytest.mark.parametrize("rid", [["x"], ["x", "y", "z"]], ids=["too_short", "too_long"])
+async def test_rid_list_must_match_the_batch_length(
+    rid: list[str], autojump_clock: trio.testing.MockClock
+) -> None:
+    """SGLang's ``_normalize_rid`` raises ValueError before registering anything."""
+    engine = make_engine()
+    async with started(engine):
+        stream = engine.generate(request(rid, ["a b", "c d e"]))
+        with pytest.raises(ValueError, match="length"):
+            await stream.__anext__()
+    assert engine.trace == []
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("close_at", [0.5, 2.0], ids=["tokenizing", "dispatched"])
+async def test_aclose_during_another_tasks_pull(
+    close_at: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    """SGLang's generator refuses ``aclose`` while a pull runs (RuntimeError).
+
+    Whether the model refuses too or closes the stream, a released request must
+    never reach the scheduler, and the pull in progress must not hang.
+    """
+    engine = make_engine()
+    pull_ended: list[float] = []
+    async with started(engine) as h:
+        stream = engine.generate(request("r1"))
+
+        async def pull() -> None:
+            with suppress(trio.ClosedResourceError):
+                await h.pull(stream, Pulled())
+            pull_ended.append(h.now())
+
+        h.nursery.start_soon(pull)
+        await h.at(close_at)
+        with suppress(RuntimeError):
+            await stream.aclose()
+        await h.at(LATER)
+        h.nursery.cancel_scope.cancel()  # a hung pull must not hang the test
+    kinds = engine.trace.kinds("r1")
+    if "released" in kinds:
+        assert "dispatched" not in kinds[kinds.index("released") :], h.timeline("r1")
+    assert pull_ended, "the pull in progress never ended"
+    assert_idle(engine)
