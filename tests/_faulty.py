@@ -36,7 +36,8 @@ class BreakingStream:
 class FaultyEngine:
     """Delegates to a ``SimEngine``; ``abort`` raises, does nothing, or works.
 
-    With ``break_after``, every stream raises after that many outputs.
+    With ``break_after``, every stream raises after that many outputs; the
+    features named in ``lacks`` are reported as missing.
     ``on_close`` is called as the engine starts to close, so tests can check
     what the worker had finished by then.
     """
@@ -47,8 +48,10 @@ class FaultyEngine:
         abort_mode: AbortMode = "ok",
         on_close: Callable[[], None] | None = None,
         break_after: int | None = None,
+        lacks: frozenset[str] = frozenset(),
     ) -> None:
         self.sim = sim
+        self.lacks = lacks
         self.abort_mode = abort_mode
         self.on_close = on_close
         self.break_after = break_after
@@ -66,7 +69,7 @@ class FaultyEngine:
                     self.on_close()
 
     def features(self) -> Mapping[str, object]:
-        return self.sim.features()
+        return {**self.sim.features(), **dict.fromkeys(self.lacks, False)}
 
     def generate(self, request: Mapping[str, Any]) -> ts.EngineStream:
         stream = self.sim.generate(request)

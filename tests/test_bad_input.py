@@ -118,7 +118,6 @@ def public_id_of(chunk: Mapping[str, Any], output: str) -> str | None:
 NEEDS_ONE_PROMPT = r"exactly one of 'text' or 'input_ids'"
 BAD_TEXT = r"'text' must be a non-empty string"
 BAD_INPUT_IDS = r"'input_ids' must be a non-empty list of token ids"
-UNSUPPORTED = r"parallel sampling \(n > 1\) and native batches are not supported"
 
 BAD_REQUESTS = [
     # the request itself
@@ -192,12 +191,19 @@ BAD_REQUESTS = [
     bad({"text": ["a", "b"], "rid": ["x", "x"]}, r"'rid' has duplicate entries", "rid-duplicate"),
     bad({"text": ["a", "b"], "rid": ["x", ""]}, r"every 'rid' in the list", "rid-list-empty"),
     bad({"text": ["a", "b"], "rid": ["x", 2]}, r"every 'rid' in the list", "rid-list-int"),
-    # valid for SGLang, but fail closed: not supported by this lifecycle yet
-    bad(with_sampling(n=2), UNSUPPORTED, "n-two"),
-    bad({"text": ["Hello", "Bye"]}, UNSUPPORTED, "text-batch"),
-    bad({"input_ids": [[1, 2], [3]]}, UNSUPPORTED, "input-ids-batch"),
-    bad({"text": ["Hello", "Bye"], "rid": ["a", "b"]}, UNSUPPORTED, "text-batch-with-rids"),
-    bad({"text": ["Hello"], "sampling_params": {"n": 3}}, UNSUPPORTED, "batch-and-n"),
+    bad(
+        {"text": ["a", "b"], "sampling_params": [{}]},
+        r"sampling_params has 1 entries",
+        "sp-list-len",
+    ),
+    bad(
+        {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]},
+        r"every prompt of a batch must have the same n",
+        "sp-list-mixed-n",
+    ),
+    bad(
+        {"text": "a", "sampling_params": [{}]}, r"sampling_params must be a mapping", "sp-list-one"
+    ),
 ]
 
 #: Ints too big to convert to a float, where a float is expected.

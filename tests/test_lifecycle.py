@@ -149,15 +149,16 @@ async def test_an_engine_error_mid_stream_reaches_the_caller_and_still_stops_the
 async def test_an_abort_that_raises_is_retried_and_logged(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # No release path: only the worker's ordered abort can stop the request.
+    # No release path: only the worker's abort (at once: it is dispatched) can
+    # stop the request.
     engine = FaultyEngine(slow_sim(release_on_close=False), abort_mode="raise_once")
     policy = ts.AbortPolicy(release_timeout=0.5, abort_retry_delay=0.25)
     async with ts.open_worker(engine, policy=policy) as worker:
         left = await read_one_chunk(worker, ts.RequestContext("pub-1"))
         await trio.sleep(5)
     assert left == 2.5  # the stream closed at once
-    # closing did not free it (0.5 s), the first abort raised, the retry took.
-    assert engine.abort_calls == [3.0, 3.25]
+    # the first abort raised, the retry took
+    assert engine.abort_calls == [2.5, 2.75]
     assert engine.sim.live_rids() == set()
     assert "took on attempt 2" in caplog.text
     assert "pub-1" in caplog.text
@@ -178,9 +179,9 @@ async def test_retries_are_bounded_when_the_abort_never_takes(
     assert left == 2.5
     assert len(engine.abort_calls) == policy.abort_attempts
     if mode == "raise":
-        assert engine.abort_calls == [3.0, 3.25, 3.5]
-    else:
-        assert engine.abort_calls == [3.0, 3.75, 4.5]
+        assert engine.abort_calls == [2.5, 2.75, 3.0]
+    else:  # each attempt waits release_timeout for the abort to take
+        assert engine.abort_calls == [2.5, 3.25, 4.0]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1
     assert "after 3 abort attempts" in errors[0].getMessage()
@@ -189,43 +190,27 @@ async def test_retries_are_bounded_when_the_abort_never_takes(
     assert engine.sim.trace.kinds(only_rid(engine.sim))[-1] == "finished"
 
 
-async def test_the_fallback_waits_for_dispatch_before_aborting(
+async def test_without_release_on_close_the_abort_follows_the_dispatch(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    # Without a release path, a cancel during tokenization leaves the state
-    # registered; the generator is gone, so it never dispatches. The worker
-    # must not abort (it would be lost) and gives up after dispatch_timeout.
+    # The engine's close frees nothing, and an abort during tokenization would
+    # be lost: the worker keeps the generator running (in its own task) until
+    # the request is dispatched, and aborts at that very moment (woken, not
+    # polled). The caller's stream still closes at the cancel.
     engine = slow_sim(release_on_close=False)
-    policy = ts.AbortPolicy(release_timeout=0.5, dispatch_timeout=2.0)
-    ctx = ts.RequestContext("never-dispatched")
-    async with ts.open_worker(engine, policy=policy) as worker:
+    async with ts.open_worker(engine) as worker:
         with trio.move_on_after(0.5):
-            await read_one_chunk(worker, ctx)
+            await read_one_chunk(worker, ts.RequestContext("cancelled-while-tokenizing"))
+        assert trio.current_time() == 0.5
         await trio.sleep(5)
         assert worker.pending_cleanups == 0
-    assert engine.trace.kinds(only_rid(engine)) == ["registered"]
-
-
-async def test_the_fallback_aborts_right_after_a_late_dispatch(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    # An engine that never releases and dispatches late: the worker waits
-    # for the dispatch (woken, not polled) and aborts at that very moment.
-    engine = FaultyEngine(slow_sim(release_on_close=False))
-    policy = ts.AbortPolicy(release_timeout=0.25)
-    async with ts.open_worker(engine, policy=policy) as worker:
-        ctx = ts.RequestContext("late")
-        async with worker.generate(REQUEST, ctx) as stream:
-            with trio.move_on_after(0.5):
-                await stream.__anext__()
-            # The cancelled pull left the state registered; the "generator"
-            # still dispatches it (as an engine without release would).
-            (state,) = engine.sim.tokenizer_manager.rid_to_state.values()
-        await trio.sleep_until(1.5)
-        engine.sim.tokenizer_manager.dispatch(state)
-        await trio.testing.wait_all_tasks_blocked()
-        assert engine.abort_calls == [1.5]
-        assert engine.sim.live_rids() == set()
+    events = engine.trace.of(only_rid(engine))
+    assert [(e.time, e.kind) for e in events] == [
+        (0.0, "registered"),
+        (1.5, "dispatched"),
+        (1.5, "abort_requested"),
+        (1.5, "abort_applied"),
+    ]
 
 
 async def test_shutdown_cancels_pending_cleanup_before_the_engine_closes(

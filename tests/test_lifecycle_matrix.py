@@ -1,7 +1,9 @@
 """The lifecycle matrix: every way of leaving x every phase x every output mode.
 
-Each case runs one request on a ``SimEngine`` under trio's ``MockClock`` and is
-judged from the engine's trace: the caller's block ends at the clock time of
+Each case runs one request on a ``SimEngine`` under trio's ``MockClock`` (one
+whose close releases the request, as SGLang 0.5.23's does, and one whose close
+frees nothing, so the worker must wait for dispatch and abort) and is judged
+from the engine's trace: the caller's block ends at the clock time of
 the cancel, the engine holds nothing afterwards, no abort is lost or sent
 before dispatch, at most one token is decoded after the cancel, and the
 caller never sees the internal rid.
@@ -28,7 +30,7 @@ PRE_WORK = 1.0
 SEND_TIME = 0.8
 METHODS = ["stop", "kill", "break", "aclose", "consumer_cancelled", "worker_shutdown"]
 PHASES = ["before_registration", "tokenizing", "dispatched", "mid_stream", "after_finish"]
-OUTPUTS = ["tokens", "text", "native"]
+OUTPUTS: list[ts.OutputMode] = ["tokens", "text", "native"]
 
 #: When the cancel lands, for methods driven from outside the consumer.
 CANCEL_AT = {
@@ -84,7 +86,7 @@ def cancel_time(method: str, phase: str) -> float:
 async def consume(
     worker: ts.Worker,
     ctx: ts.RequestContext,
-    output: str,
+    output: ts.OutputMode,
     method: str,
     phase: str,
     t0: float,
@@ -96,7 +98,7 @@ async def consume(
         request["rid"] = "caller-rid-7"  # the caller's rid wins over the context id
     at = t0 + cancel_time(method, phase)
     try:
-        async with worker.generate(request, ctx, output=output) as chunks:  # type: ignore[arg-type]
+        async with worker.generate(request, ctx, output=output) as chunks:
             streams.append(chunks)
             if phase == "before_registration" and method in ("break", "aclose"):
                 await trio.sleep_until(at)
@@ -136,9 +138,15 @@ async def consume(
             seen.left_at = trio.current_time()
 
 
-async def run_case(method: str, phase: str, output: str) -> tuple[ts.SimEngine, Consumer, float]:
+async def run_case(
+    method: str, phase: str, output: ts.OutputMode, release: bool
+) -> tuple[ts.SimEngine, Consumer, float]:
     engine = ts.SimEngine(
-        tokenize_delay=1.0, dispatch_delay=0.5, first_token_delay=1.0, token_interval=1.0
+        tokenize_delay=1.0,
+        dispatch_delay=0.5,
+        first_token_delay=1.0,
+        token_interval=1.0,
+        release_on_close=release,
     )
     ctx = ts.RequestContext("ctx-public-1")
     seen = Consumer()
@@ -146,7 +154,8 @@ async def run_case(method: str, phase: str, output: str) -> tuple[ts.SimEngine, 
     t0 = trio.current_time()
     at = t0 + cancel_time(method, phase)
     async with trio.open_nursery() as outer:
-        async with ts.open_worker(engine) as worker:
+        # The grace lets a no-release engine reach dispatch, so the abort can follow.
+        async with ts.open_worker(engine, policy=ts.AbortPolicy(shutdown_grace=5.0)) as worker:
             with trio.CancelScope() as consumer_scope:
                 async with trio.open_nursery() as nursery:
                     task_nursery = outer if method == "worker_shutdown" else nursery
@@ -184,13 +193,14 @@ def check_public_ids(seen: Consumer, output: str, internal: set[str]) -> None:
             assert chunk["meta_info"]["id"] == public
 
 
+@pytest.mark.parametrize("release", [True, False], ids=["release-on-close", "no-release"])
 @pytest.mark.parametrize("output", OUTPUTS)
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("method", METHODS)
 async def test_cancel_matrix(
-    method: str, phase: str, output: str, autojump_clock: trio.testing.MockClock
+    method: str, phase: str, output: str, release: bool, autojump_clock: trio.testing.MockClock
 ) -> None:
-    engine, seen, at = await run_case(method, phase, output)
+    engine, seen, at = await run_case(method, phase, output, release)
     trace = engine.trace
     rids = {event.rid for event in trace}
 
@@ -202,7 +212,10 @@ async def test_cancel_matrix(
     # The engine holds nothing, and saw exactly what this phase allows.
     assert engine.live_rids() == set()
     assert len(rids) <= 1
-    assert [event.kind for event in trace] == EXPECTED_KINDS[phase]
+    expected = EXPECTED_KINDS[phase]
+    if phase == "tokenizing" and not release:  # kept running until dispatch, then aborted
+        expected = EXPECTED_KINDS["dispatched"]
+    assert [event.kind for event in trace] == expected
 
     for rid in rids:
         events = trace.of(rid)
@@ -210,11 +223,13 @@ async def test_cancel_matrix(
         assert "abort_lost" not in kinds
         if "abort_requested" in kinds:
             assert kinds.index("dispatched") < kinds.index("abort_requested")
-            # the abort went out at the cancel, not later
-            assert next(e.time for e in events if e.kind == "abort_requested") == at
+            # the abort went out at the cancel, or right at a later dispatch
+            dispatched = next(e.time for e in events if e.kind == "dispatched")
+            aborted = next(e.time for e in events if e.kind == "abort_requested")
+            assert aborted == max(at, dispatched)
         if phase != "after_finish":
             assert [e for e in events if e.kind == "token" and e.time > at] == []
-        if phase == "tokenizing":
+        if phase == "tokenizing" and release:
             assert next(e.time for e in events if e.kind == "released") == at
     check_public_ids(seen, output, rids)
     expected_chunks = {"mid_stream": 2, "after_finish": 5}.get(phase, 0)

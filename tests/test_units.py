@@ -23,7 +23,7 @@ import trio.testing
 import trio_sglang as ts
 from trio_sglang._capabilities import SCHEMA_VERSION, build_capabilities
 from trio_sglang._ids import RID_LENGTH, mint_rid
-from trio_sglang._outputs import format_chunk
+from trio_sglang._outputs import PublicIds, format_chunk
 
 # -- AbortPolicy -------------------------------------------------------------------
 
@@ -140,6 +140,7 @@ def test_mint_rid_never_repeats_nor_prefixes() -> None:
 
 INTERNAL_RID = "0123456789abcdef0123456789abcdef"
 PUBLIC_ID = "chatcmpl-123"
+IDS = PublicIds(PUBLIC_ID)
 
 
 def engine_output(
@@ -180,7 +181,7 @@ def assert_no_internal_rid(chunk: dict[str, Any]) -> None:
 )
 def test_format_chunk_tokens(reason: object, expected: str | None) -> None:
     out = engine_output(finish_reason=reason)
-    chunk = format_chunk("tokens", out, PUBLIC_ID)
+    chunk = format_chunk("tokens", out, IDS)
     assert chunk == {"index": 0, "token_ids": [5, 9], "finish_reason": expected}
     assert chunk["token_ids"] is not out["output_ids"]
     assert_no_internal_rid(chunk)
@@ -188,9 +189,9 @@ def test_format_chunk_tokens(reason: object, expected: str | None) -> None:
 
 
 def test_format_chunk_tokens_keeps_index_and_handles_missing_fields() -> None:
-    chunk = format_chunk("tokens", engine_output(index=2), PUBLIC_ID)
+    chunk = format_chunk("tokens", engine_output(index=2), IDS)
     assert chunk["index"] == 2
-    assert format_chunk("tokens", {"meta_info": {"id": INTERNAL_RID}}, PUBLIC_ID) == {
+    assert format_chunk("tokens", {"meta_info": {"id": INTERNAL_RID}}, IDS) == {
         "index": 0,
         "token_ids": [],
         "finish_reason": None,
@@ -203,7 +204,7 @@ def test_format_chunk_tokens_keeps_index_and_handles_missing_fields() -> None:
     ids=["none", "length", "abort"],
 )
 def test_format_chunk_text(reason: object, expected: str | None) -> None:
-    chunk = format_chunk("text", engine_output(finish_reason=reason, index=1), PUBLIC_ID)
+    chunk = format_chunk("text", engine_output(finish_reason=reason, index=1), IDS)
     assert chunk["id"] == PUBLIC_ID
     assert chunk["object"] == "text_completion"
     assert chunk["choices"] == [{"index": 1, "text": " the cat", "finish_reason": expected}]
@@ -213,7 +214,7 @@ def test_format_chunk_text(reason: object, expected: str | None) -> None:
 def test_format_chunk_native_remaps_the_id_on_a_copy() -> None:
     out = engine_output(finish_reason={"type": "length", "length": 2}, index=3, extra=[1])
     before = copy.deepcopy(out)
-    chunk = format_chunk("native", out, PUBLIC_ID)
+    chunk = format_chunk("native", out, IDS)
 
     assert out == before  # the engine's dict is not mutated
     assert chunk is not out
@@ -228,7 +229,7 @@ def test_format_chunk_native_remaps_the_id_on_a_copy() -> None:
 
 def test_format_chunk_native_without_meta_info() -> None:
     out: dict[str, Any] = {"text": "x", "output_ids": [1]}
-    assert format_chunk("native", out, PUBLIC_ID) == {**out, "meta_info": {"id": PUBLIC_ID}}
+    assert format_chunk("native", out, IDS) == {**out, "meta_info": {"id": PUBLIC_ID}}
     assert "meta_info" not in out
 
 
@@ -236,7 +237,7 @@ def test_format_chunk_native_without_meta_info() -> None:
 def test_format_chunk_never_mutates_its_input(output: str) -> None:
     out = engine_output(finish_reason={"type": "stop"}, index=0)
     before = copy.deepcopy(out)
-    format_chunk(output, out, PUBLIC_ID)  # type: ignore[arg-type]
+    format_chunk(output, out, IDS)  # type: ignore[arg-type]
     assert out == before
 
 

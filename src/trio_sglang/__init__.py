@@ -7,6 +7,7 @@ from ._context import RequestContext
 from ._engine import Engine, EngineStream, RequestPhase
 from ._errors import EngineShutdown, InvalidRequest
 from ._policy import AbortPolicy
+from ._request import OutputMode
 from ._sim_engine import SimEngine
 from ._sim_trace import TraceEvent, TraceKind
 from ._version import __version__
@@ -18,6 +19,7 @@ __all__ = [
     "EngineShutdown",
     "EngineStream",
     "InvalidRequest",
+    "OutputMode",
     "RequestContext",
     "RequestPhase",
     "ResponseStream",

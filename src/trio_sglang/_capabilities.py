@@ -44,5 +44,19 @@ def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
             # engine: an undispatched request is released, a dispatched one
             # aborted after its dispatch.
             "cancel_before_first_output_v1": registry and dispatch and release,
+            # n > 1 and native batches stop every child, including children
+            # the caller never saw (see "cancellation" for how).
+            "parallel_sampling_cancel_v1": True,
+            "native_batch_cancel_v1": True,
+            "batch_parallel_sampling_v1": features.get("batch_parallel_sampling") is True,
+        },
+        # How each kind of request is stopped; the key's suffix versions the
+        # meaning of its value.
+        "cancellation": {
+            "single_sample_v1": "close_then_ordered_abort",
+            "native_batch_v1": "close_then_ordered_abort_per_prompt",
+            "parallel_sampling_v1": (
+                "close_releases_children" if release else "abort_observed_children_then_close"
+            ),
         },
     }

@@ -71,8 +71,10 @@ class Engine(Protocol):
         """What was detected at run time.
 
         Keys the worker reads: ``kind`` (str), ``sglang_version`` (str or
-        None), ``request_registry``, ``dispatch_timestamp``,
-        ``abort_sent_flag`` and ``release_on_close`` (bools).
+        None), and bools: ``request_registry``, ``dispatch_timestamp``,
+        ``abort_sent_flag``, ``release_on_close`` (closing the stream
+        releases or aborts every state it created, children included) and
+        ``batch_parallel_sampling`` (``n > 1`` on a native batch).
         """
         ...
 

@@ -2,24 +2,61 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from ._request import OutputMode
+from ._request import OutputMode, ParsedRequest
 
-__all__ = ["format_chunk"]
+__all__ = ["PublicIds", "format_chunk"]
 
 
-def format_chunk(output: OutputMode, out: dict[str, Any], public_id: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class PublicIds:
+    """The ids a caller may see: one for the request, and one per child.
+
+    Children (batch prompts, parallel samples) are named by SGLang's output
+    ``index``, which is stable per child: the caller's rid list entry when it
+    gave one (``<entry>_<j>`` for sample ``j`` of ``n``), else
+    ``<request id>_<index>``. The engine's own child ids (``rid_i``, uuids)
+    never appear.
+    """
+
+    request: str
+    children: tuple[str, ...] = ()
+
+    @classmethod
+    def for_request(cls, parsed: ParsedRequest, context_id: str) -> PublicIds:
+        request = parsed.caller_rid if isinstance(parsed.caller_rid, str) else context_id
+        if parsed.single_sample:
+            return cls(request)
+        n = parsed.n
+        if isinstance(parsed.caller_rid, tuple):
+            bases = parsed.caller_rid
+            children = tuple(base if n == 1 else f"{base}_{j}" for base in bases for j in range(n))
+        else:
+            children = tuple(f"{request}_{k}" for k in range(parsed.children))
+        return cls(request, children)
+
+    def child(self, index: object) -> str:
+        if not self.children or not isinstance(index, int):
+            return self.request
+        if 0 <= index < len(self.children):
+            return self.children[index]
+        return f"{self.request}_{index}"
+
+
+def format_chunk(output: OutputMode, out: dict[str, Any], ids: PublicIds) -> dict[str, Any]:
     """One caller chunk from one engine output; never mutates ``out``.
 
-    ``tokens`` chunks carry no id at all, ``text`` chunks carry the public id,
-    and ``native`` outputs are copied with ``meta_info.id`` replaced, so the
-    internal rid never reaches the caller.
+    ``tokens`` chunks carry the child's ``index`` and no id, ``text`` chunks
+    carry the request's public id and one OpenAI-style choice per child, and
+    ``native`` outputs are copied with ``meta_info.id`` set to the child's
+    public id, so no engine-made id reaches the caller.
     """
     meta = out.get("meta_info", {})
-    if output == "native":
-        return {**out, "meta_info": {**meta, "id": public_id}}
     index = out.get("index", 0)
+    if output == "native":
+        return {**out, "meta_info": {**meta, "id": ids.child(out.get("index"))}}
     finish_reason = _finish_reason(meta.get("finish_reason"))
     if output == "tokens":
         return {
@@ -28,7 +65,7 @@ def format_chunk(output: OutputMode, out: dict[str, Any], public_id: str) -> dic
             "finish_reason": finish_reason,
         }
     return {
-        "id": public_id,
+        "id": ids.request,
         "object": "text_completion",
         "choices": [{"index": index, "text": out.get("text", ""), "finish_reason": finish_reason}],
     }

@@ -32,6 +32,10 @@ class AbortPolicy:
     abort_attempts: int = 3
     #: Pause between abort attempts.
     abort_retry_delay: float = 0.005
+    #: Parallel sampling on an engine whose close does not release every
+    #: child: how long to keep reading after the cancel, to abort children
+    #: first seen then.
+    child_watch_timeout: float = 1.0
     #: Overall bound on one request's cleanup task.
     cleanup_timeout: float = 10.0
     #: When the worker is left: how long open streams and pending cleanup get

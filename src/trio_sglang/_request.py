@@ -91,7 +91,32 @@ class ParsedRequest:
     def single_sample(self) -> bool:
         return self.batch_size is None and self.n == 1
 
-    def engine_request(self, rid: str) -> dict[str, Any]:
+    @property
+    def children(self) -> int:
+        """How many outputs streams the engine will run: prompts times samples."""
+        return (self.batch_size or 1) * self.n
+
+    @property
+    def stable_ids(self) -> bool:
+        """Whether every engine id is known before the request starts.
+
+        True for one sample and for a native batch (SGLang keeps the rid list
+        it is given); false for ``n > 1``, where SGLang swaps every child to a
+        fresh uuid that only the child's first output reveals.
+        """
+        return self.n == 1
+
+    @property
+    def rid_count(self) -> int:
+        """How many rids the worker mints: one per prompt of a native batch, else one.
+
+        With ``n > 1`` SGLang replaces child rids anyway, so one suffices.
+        """
+        return self.batch_size if self.batch_size is not None and self.n == 1 else 1
+
+    def engine_request(self, rids: tuple[str, ...]) -> dict[str, Any]:
+        """The body for the engine: one minted rid, or one per prompt for a batch."""
+        rid: str | list[str] = list(rids) if len(rids) > 1 else rids[0]
         return {**self.body, "rid": rid, "stream": True}
 
 
@@ -110,9 +135,9 @@ def parse_request(request: object, output: object) -> ParsedRequest:
         raise InvalidRequest(f"stream must be a bool, got {type(stream).__name__}")
 
     batch_size = _check_prompt(request)
-    sampling = _check_sampling_params(request.get("sampling_params"))
-    n = cast(int, sampling.get("n") or 1)  # SGLang reads a null n as 1
-    caller_rid = _check_rid(request.get("rid"), batch_size, n)
+    sampling = _check_sampling_params(request.get("sampling_params"), batch_size)
+    n = _check_same_n(sampling)
+    caller_rid = _check_rid(request.get("rid"), batch_size)
 
     body = {k: v for k, v in request.items() if k not in ("rid", "stream")}
     body["sampling_params"] = sampling
@@ -171,11 +196,36 @@ def _is_number(value: object) -> bool:
         return False
 
 
-def _check_sampling_params(params: object) -> dict[str, Any]:
+def _check_sampling_params(
+    params: object, batch_size: int | None
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """One mapping, or (for a native batch, as SGLang allows) one per prompt."""
     if params is None:
         return {}
+    if isinstance(params, list) and batch_size is not None:
+        if len(params) != batch_size:
+            raise InvalidRequest(
+                f"sampling_params has {len(params)} entries but the batch has {batch_size} prompts"
+            )
+        return [_check_one_sampling_params(p) for p in params]
+    return _check_one_sampling_params(params)
+
+
+def _check_same_n(sampling: dict[str, Any] | list[dict[str, Any]]) -> int:
+    """SGLang runs one ``n`` per request; a null ``n`` reads as 1."""
+    per_prompt = sampling if isinstance(sampling, list) else [sampling]
+    ns = {cast(int, p.get("n") or 1) for p in per_prompt}
+    if len(ns) > 1:
+        raise InvalidRequest(f"every prompt of a batch must have the same n, got {sorted(ns)}")
+    return ns.pop()
+
+
+def _check_one_sampling_params(params: object) -> dict[str, Any]:
     if not isinstance(params, Mapping):
-        raise InvalidRequest(f"sampling_params must be a mapping, got {type(params).__name__}")
+        raise InvalidRequest(
+            f"sampling_params must be a mapping (or a list of them for a batch), "
+            f"got {type(params).__name__}"
+        )
     checked = dict(params)
     for key, value in checked.items():
         if key not in _SAMPLING_FIELDS:
@@ -240,7 +290,7 @@ def _check_sampling_value(key: str, value: object) -> None:
         raise bad("a bool")
 
 
-def _check_rid(rid: object, batch_size: int | None, n: int) -> str | tuple[str, ...] | None:
+def _check_rid(rid: object, batch_size: int | None) -> str | tuple[str, ...] | None:
     if rid is None:
         return None
     if isinstance(rid, str):

@@ -85,6 +85,7 @@ class SimEngine:
             "dispatch_timestamp": True,
             "abort_sent_flag": True,
             "release_on_close": self._tm.release_on_close,
+            "batch_parallel_sampling": True,
         }
 
     def generate(self, request: Mapping[str, Any]) -> SimStream:

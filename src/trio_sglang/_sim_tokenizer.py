@@ -254,11 +254,11 @@ class SimStream:
         request = self._request
         timing = self._tm.timing
         rid = request["rid"]
-        sampling = request.get("sampling_params") or {}
-        n = sampling.get("n") or 1
-        max_new = sampling.get("max_new_tokens")
-        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
         prompts, batch = _prompts(request)
+        sampling = request.get("sampling_params") or {}
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        n = per_prompt[0].get("n") or 1
+        max_new = [_max_new_tokens(p) for p in per_prompt]
         multi = batch or n > 1
         count = len(prompts) * n
         if isinstance(rid, list):
@@ -267,13 +267,13 @@ class SimStream:
                     f"The specified rids length mismatch with the batch_size: "
                     f"{len(rid)} rids for {len(prompts)} prompts"
                 )
-            rids = list(rid)
+            rids = list(rid) if n == 1 else [f"{r}_{j}" for r in rid for j in range(n)]
         elif multi:
             rids = [f"{rid}_{i}" for i in range(count)]
         else:
             rids = [rid]
         states = [
-            self._new_state(r, i if multi else None, prompts[i // n], max_new)
+            self._new_state(r, i if multi else None, prompts[i // n], max_new[i // n])
             for i, r in enumerate(rids)
         ]
         for state in states:  # registration comes before any await
@@ -285,7 +285,10 @@ class SimStream:
             for state in states:
                 self._tm.release(state)
                 child = self._new_state(
-                    uuid.uuid4().hex, state.index, (state.seed, state.prompt_tokens), max_new
+                    uuid.uuid4().hex,
+                    state.index,
+                    (state.seed, state.prompt_tokens),
+                    state.max_new_tokens,
                 )
                 self._tm.register(child)
                 children.append(child)
@@ -310,6 +313,11 @@ class SimStream:
         state = ReqState(rid, index, prompt[0], prompt[1], max_new_tokens, self._deliver)
         self._states.append(state)
         return state
+
+
+def _max_new_tokens(sampling: Mapping[str, Any]) -> int:
+    value = sampling.get("max_new_tokens")
+    return DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
 
 
 def _prompts(request: Mapping[str, Any]) -> tuple[list[tuple[int, int]], bool]:

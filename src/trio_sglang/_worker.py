@@ -12,6 +12,9 @@ request is forgotten and never reaches the scheduler, a dispatched one is
 aborted after its dispatch), and whatever still has to be awaited (closing
 the stream, confirming the abort took, the ordered fallback) runs in a
 detached task of the worker's nursery, each bounded by ``AbortPolicy``.
+Requests whose engine ids are known in advance (one prompt, or a native
+batch) on an engine whose close releases them are read directly by the
+caller's task; the others are read by an ``EnginePump`` (see ``_pump.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from typing import Any
 import trio
 
 from ._capabilities import build_capabilities
+from ._cleanup import EngineCleanup, EngineRequest
 from ._context import RequestContext
-from ._engine import Engine, EngineStream, RequestPhase
+from ._engine import Engine
 from ._errors import EngineShutdown, InvalidRequest
 from ._ids import mint_rid
-from ._outputs import format_chunk
+from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
+from ._pump import EnginePump
 from ._request import OutputMode, parse_request
 
 __all__ = ["ResponseStream", "Worker", "open_worker"]
@@ -42,12 +47,12 @@ class ResponseStream:
 
     __slots__ = (
         "_closed",
-        "_engine_stream",
         "_exhausted",
+        "_ids",
         "_output",
-        "_public_id",
         "_pulling",
-        "_rid",
+        "_pump",
+        "_request",
         "_scope",
         "_shutdown",
         "_started",
@@ -57,16 +62,16 @@ class ResponseStream:
     def __init__(
         self,
         worker: Worker,
-        engine_stream: EngineStream,
-        rid: str,
-        public_id: str,
+        request: EngineRequest,
+        pump: EnginePump | None,
+        ids: PublicIds,
         output: OutputMode,
         scope: trio.CancelScope,
     ) -> None:
         self._worker = worker
-        self._engine_stream = engine_stream
-        self._rid = rid
-        self._public_id = public_id
+        self._request = request
+        self._pump = pump
+        self._ids = ids
         self._output: OutputMode = output
         self._scope = scope
         self._started = False
@@ -77,8 +82,8 @@ class ResponseStream:
 
     @property
     def id(self) -> str:
-        """The public id this stream's chunks carry."""
-        return self._public_id
+        """The request's public id (text chunks carry it)."""
+        return self._ids.request
 
     @property
     def closed(self) -> bool:
@@ -95,10 +100,15 @@ class ResponseStream:
             # not touch the engine at all.
             await trio.lowlevel.checkpoint_if_cancelled()
             self._started = True
+            if self._pump is not None:
+                self._worker._start_pump(self._pump)
         self._pulling = True
         pulled = False
         try:
-            out = await self._engine_stream.__anext__()
+            if self._pump is None:
+                out = await self._request.stream.__anext__()
+            else:
+                out = await self._pump.receive()
             pulled = True
         except StopAsyncIteration:
             self._exhausted = True
@@ -109,7 +119,7 @@ class ResponseStream:
                 # Cancelled, failed or exhausted: the engine stream cannot
                 # resume, so its cleanup starts now, not at block exit.
                 self._close()
-        return format_chunk(self._output, out, self._public_id)
+        return format_chunk(self._output, out, self._ids)
 
     async def aclose(self) -> None:
         """End the stream now; the engine-side cleanup goes on in the worker."""
@@ -122,10 +132,15 @@ class ResponseStream:
         await trio.lowlevel.checkpoint()
 
     def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._started and not self._exhausted:
-                self._worker._hand_over(self._engine_stream, self._rid, self._public_id)
+        if self._closed:
+            return
+        self._closed = True
+        if not self._started:
+            return
+        if self._pump is not None:
+            self._pump.consumer_left()
+        elif not self._exhausted:
+            self._worker._hand_over(self._request)
 
     def _end_for_shutdown(self) -> None:
         self._shutdown = True
@@ -139,6 +154,8 @@ class Worker:
         self._engine = engine
         self._policy = policy
         self._nursery = nursery
+        self._features = dict(engine.features())
+        self._engine_cleanup = EngineCleanup(engine, policy)
         self._open: set[ResponseStream] = set()
         self._cleanups: set[trio.CancelScope] = set()
         self._pending_cleanups = 0
@@ -162,12 +179,12 @@ class Worker:
 
     @property
     def pending_cleanups(self) -> int:
-        """Detached engine-side cleanup tasks still running."""
+        """Requests whose engine-side cleanup is still running."""
         return self._pending_cleanups
 
     def capabilities(self) -> dict[str, Any]:
         """Versioned capability metadata, derived from what the engine detected."""
-        return build_capabilities(self._engine.features())
+        return build_capabilities(self._features)
 
     @asynccontextmanager
     async def generate(
@@ -181,26 +198,43 @@ class Worker:
         body (like an expired ``move_on_after``) and the block exits normally.
         """
         parsed = parse_request(request, output)
-        if not parsed.single_sample:
-            raise InvalidRequest(
-                "parallel sampling (n > 1) and native batches are not supported by this "
-                "version of the lifecycle; send one prompt with n = 1"
-            )
         if not isinstance(ctx, RequestContext):
             raise InvalidRequest(f"ctx must be a RequestContext, got {type(ctx).__name__}")
+        if (
+            parsed.batch_size is not None
+            and parsed.n > 1
+            and self._features.get("batch_parallel_sampling") is not True
+        ):
+            raise InvalidRequest(
+                "this engine cannot run parallel sampling (n > 1) on a native batch; "
+                "send one prompt per request"
+            )
         if self._closing:
             raise EngineShutdown("the worker is shutting down")
-        rid = mint_rid()
-        public_id = parsed.caller_rid if isinstance(parsed.caller_rid, str) else ctx.id
-        scope = trio.CancelScope()
-        stream = ResponseStream(
-            self,
-            self._engine.generate(parsed.engine_request(rid)),
-            rid,
-            public_id,
-            parsed.output,
-            scope,
+        # One minted rid, or one per prompt for a batch: all 32 hex digits,
+        # so none is a prefix of another (SGLang aborts by prefix).
+        rids = tuple(mint_rid() for _ in range(parsed.rid_count))
+        ids = PublicIds.for_request(parsed, ctx.id)
+        engine_request = EngineRequest(
+            self._engine.generate(parsed.engine_request(rids)),
+            ids.request,
+            rids if parsed.stable_ids else (),
         )
+        release_on_close = self._features.get("release_on_close") is True
+        pump = (
+            None
+            if parsed.stable_ids and release_on_close
+            else EnginePump(
+                self,
+                engine_request,
+                self._engine_cleanup,
+                self._policy,
+                release_on_close=release_on_close,
+                children_unknown=not parsed.stable_ids,
+            )
+        )
+        scope = trio.CancelScope()
+        stream = ResponseStream(self, engine_request, pump, ids, parsed.output, scope)
         self._open.add(stream)
         ctx._attach(scope)
         try:
@@ -214,117 +248,62 @@ class Worker:
         if stream._shutdown and scope.cancelled_caught:
             raise EngineShutdown("the worker shut down while the stream was open") from None
 
-    # -- engine-side cleanup, detached ---------------------------------------
+    # -- engine-side work, owned by the worker's nursery ----------------------
 
-    def _hand_over(self, engine_stream: EngineStream, rid: str, public_id: str) -> None:
+    def _start_pump(self, pump: EnginePump) -> None:
+        if self._nursery_closed:
+            raise EngineShutdown("the worker has shut down")
+        self._nursery.start_soon(pump.run)
+
+    def _hand_over(self, request: EngineRequest) -> None:
         if self._nursery_closed:
             logger.warning(
-                "request %s (rid %s) ended after the worker closed; the engine closed with it",
-                public_id,
-                rid,
+                "request %s ended after the worker closed; the engine closed with it",
+                request.public_id,
             )
             return
+        self._begin_cleanup()
+        self._nursery.start_soon(self._run_cleanup, request)
+
+    def _begin_cleanup(self) -> None:
+        """Count a cleanup from the moment it is owed, before its task runs."""
         self._pending_cleanups += 1
-        self._nursery.start_soon(
-            self._cleanup, engine_stream, rid, public_id, name=f"cleanup-{rid}"
+
+    def _guard_cleanup(self, scope: trio.CancelScope) -> None:
+        """Shield a cleanup from whoever cancels the worker's body, and bound it.
+
+        Only its deadline or the worker's own shutdown (after the grace) ends it.
+        """
+        scope.shield = True
+        scope.deadline = min(scope.deadline, trio.current_time() + self._policy.cleanup_timeout)
+        self._cleanups.add(scope)
+        if self._cancel_cleanups:
+            scope.cancel()
+
+    def _end_cleanup(self, scope: trio.CancelScope) -> None:
+        self._cleanups.discard(scope)
+        self._pending_cleanups -= 1
+        self._maybe_quiet()
+
+    def _log_unfinished_cleanup(self, request: EngineRequest, scope: trio.CancelScope) -> None:
+        why = "cancelled at shutdown" if self._cancel_cleanups else "timed out"
+        logger.warning(
+            "cleanup of request %s (rids %s) %s; the engine may still hold it",
+            request.public_id,
+            request.unfinished(),
+            why,
         )
 
-    async def _cleanup(self, engine_stream: EngineStream, rid: str, public_id: str) -> None:
-        # Shielded from whoever cancels the worker's body: only the worker's
-        # own shutdown (after the grace) or the deadline ends a cleanup.
-        with trio.move_on_after(self._policy.cleanup_timeout, shield=True) as scope:
-            self._cleanups.add(scope)
-            if self._cancel_cleanups:
-                scope.cancel()
+    async def _run_cleanup(self, request: EngineRequest) -> None:
+        """One request's engine-side cleanup, counted by ``_hand_over``."""
+        with trio.CancelScope() as scope:
+            self._guard_cleanup(scope)
             try:
-                await self._stop_at_engine(engine_stream, rid, public_id)
+                await self._engine_cleanup.stop(request)
             finally:
-                self._cleanups.discard(scope)
-                self._pending_cleanups -= 1
-                self._maybe_quiet()
+                self._end_cleanup(scope)
         if scope.cancelled_caught:
-            why = "cancelled at shutdown" if self._cancel_cleanups else "timed out"
-            logger.warning(
-                "cleanup of request %s (rid %s) %s; the engine may still hold it",
-                public_id,
-                rid,
-                why,
-            )
-
-    async def _stop_at_engine(self, engine_stream: EngineStream, rid: str, public_id: str) -> None:
-        policy = self._policy
-        # Closing runs the engine's own release path. Shielded even from the
-        # shutdown: a half-closed stream is worse than a short wait.
-        with trio.move_on_after(policy.close_timeout, shield=True) as close_scope:
-            try:
-                await engine_stream.aclose()
-            except Exception:
-                logger.exception("closing the engine stream of %s (rid %s) failed", public_id, rid)
-        if close_scope.cancelled_caught:
-            logger.warning(
-                "closing the engine stream of %s (rid %s) took over %ss",
-                public_id,
-                rid,
-                policy.close_timeout,
-            )
-        if await self._released_in_time(rid):
-            return
-        await self._ordered_abort(rid, public_id)
-
-    async def _released_in_time(self, rid: str) -> bool:
-        """Whether the engine lets go of ``rid`` within ``policy.release_timeout``."""
-        with trio.move_on_after(self._policy.release_timeout):
-            phase = self._engine.phase(rid)
-            while phase is not RequestPhase.ABSENT:
-                phase = await self._engine.wait_phase_change(rid, phase)
-            return True
-        return False
-
-    async def _ordered_abort(self, rid: str, public_id: str) -> None:
-        """The fallback when closing did not free the request: abort, but never before dispatch."""
-        engine, policy = self._engine, self._policy
-        phase = engine.phase(rid)
-        if phase is RequestPhase.REGISTERED:
-            with trio.move_on_after(policy.dispatch_timeout):
-                phase = await engine.wait_phase_change(rid, phase)
-            if phase is RequestPhase.REGISTERED:
-                logger.error(
-                    "request %s (rid %s) still undispatched after %ss; not aborting it, "
-                    "since an abort before dispatch is lost",
-                    public_id,
-                    rid,
-                    policy.dispatch_timeout,
-                )
-                return
-        error: Exception | None = None
-        for attempt in range(1, policy.abort_attempts + 1):
-            if phase is RequestPhase.ABSENT:
-                return
-            try:
-                engine.abort(rid)
-            except Exception as exc:
-                error = exc
-            else:
-                if await self._released_in_time(rid):
-                    if error is not None:
-                        logger.warning(
-                            "abort of %s (rid %s) took on attempt %d after an error: %r",
-                            public_id,
-                            rid,
-                            attempt,
-                            error,
-                        )
-                    return
-            if attempt < policy.abort_attempts:
-                await trio.sleep(policy.abort_retry_delay)
-            phase = engine.phase(rid)
-        logger.error(
-            "the engine still holds request %s (rid %s) after %d abort attempts",
-            public_id,
-            rid,
-            policy.abort_attempts,
-            exc_info=error,
-        )
+            self._log_unfinished_cleanup(request, scope)
 
     # -- shutdown ------------------------------------------------------------
 
