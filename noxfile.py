@@ -1,4 +1,4 @@
-"""The one entry point: ``nox -s tests``, ``lint``, ``typecheck``, ``demo``.
+"""The one entry point: ``nox -s tests``, ``lint``, ``typecheck``, ``serve``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -37,6 +37,13 @@ def typecheck(session: nox.Session) -> None:
     """mypy --strict on src (settings in pyproject.toml)."""
     install(session, "typecheck")
     session.run("mypy", *session.posargs)
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    """``trio-sglang serve`` on the SimEngine (options after ``--``, e.g. ``-- --port 9000``)."""
+    install(session, "serve")
+    session.run("trio-sglang", "serve", *session.posargs)
 
 
 @nox.session

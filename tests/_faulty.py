@@ -83,6 +83,9 @@ class FaultyEngine:
     async def wait_phase_change(self, rid: str, phase: ts.RequestPhase) -> ts.RequestPhase:
         return await self.sim.wait_phase_change(rid, phase)
 
+    def live_requests(self) -> int:
+        return self.sim.live_requests()
+
     def abort(self, rid: str) -> None:
         self.abort_calls.append(trio.current_time())
         if self.abort_mode == "raise" or (

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from _readme import ROOT, readme_block
 from trio_sglang._cli import build_parser
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess[str]:
@@ -21,8 +18,7 @@ def run_python(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_readme_embedding_example_runs_as_written() -> None:
-    readme = (ROOT / "README.md").read_text()
-    (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    example = readme_block("python", "import trio_sglang")
     result = run_python("-c", example)
     assert result.returncode == 0, result.stderr
     assert "killed: True; engine still holds: set()" in result.stdout

@@ -6,6 +6,7 @@ The public API lives here; the ``_modules`` behind it are private.
 from ._context import RequestContext
 from ._engine import Engine, EngineStream, RequestPhase
 from ._errors import EngineShutdown, InvalidRequest
+from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode
 from ._sim_engine import SimEngine
@@ -27,6 +28,7 @@ __all__ = [
     "TraceEvent",
     "TraceKind",
     "Worker",
+    "WorkerObserver",
     "__version__",
     "open_worker",
 ]

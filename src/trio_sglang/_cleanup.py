@@ -36,6 +36,8 @@ class EngineRequest:
     rids: tuple[str, ...]
     #: Engine ids first seen in outputs (``n > 1``), mapped to "finished".
     children: dict[str, bool] = field(default_factory=dict)
+    #: When the caller went and the cleanup became owed (trio clock).
+    cancelled_at: float | None = None
 
     def note_child(self, out: dict[str, Any]) -> str | None:
         """Record the output's engine id; return it when seen for the first time."""
@@ -46,6 +48,10 @@ class EngineRequest:
         new = rid not in self.children
         self.children[rid] = self.children.get(rid, False) or meta.get("finish_reason") is not None
         return rid if new else None
+
+    def held_by(self, engine: Engine) -> list[str]:
+        """The ids of this request that the engine still holds."""
+        return [rid for rid in self.unfinished() if engine.phase(rid) is not RequestPhase.ABSENT]
 
     def unfinished(self) -> list[str]:
         """Every engine id that may still be running: known ones and unfinished children."""

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import trio
 
 from ._demo import run_demo
+from ._policy import AbortPolicy
+from ._sim_engine import SimEngine
 from ._version import __version__
 
 __all__ = ["main"]
@@ -39,6 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--max-new-tokens", type=_positive_int, default=12)
     demo.add_argument("--token-interval", type=_seconds, default=0.02, help="seconds")
+
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible and SGLang-native streaming server; a disconnect cancels",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    serve.add_argument("--engine", choices=["sim", "sglang"], default="sim")
+    serve.add_argument("--model-path", help="model directory or id (for --engine sglang)")
+    serve.add_argument(
+        "--served-model-name", help="the model name clients send (default: trio-sglang-sim)"
+    )
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
+    serve.add_argument("--shutdown-grace", type=_seconds, default=1.0, help="seconds")
+    sim = serve.add_argument_group("SimEngine timing (seconds)")
+    sim.add_argument("--sim-tokenize-delay", type=_seconds, default=0.005)
+    sim.add_argument("--sim-dispatch-delay", type=_seconds, default=0.001)
+    sim.add_argument("--sim-first-token-delay", type=_seconds, default=0.05)
+    sim.add_argument("--sim-token-interval", type=_seconds, default=0.02)
     return parser
 
 
@@ -50,4 +71,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             lambda: run_demo(max_new_tokens=args.max_new_tokens, token_interval=args.token_interval)
         )
         return 0 if clean else 1
-    raise AssertionError(f"unhandled command {args.command!r}")
+    return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.getLogger("trio_sglang").setLevel(logging.INFO)
+    try:
+        from .server import serve
+    except ImportError as exc:
+        print(f"trio-sglang serve needs the serve extra: pip install 'trio-sglang[serve]' ({exc})")
+        return 2
+    if args.engine == "sglang":
+        print(
+            "--engine sglang needs the SGLangEngine adapter, which this release does not "
+            "include yet; use --engine sim"
+        )
+        return 2
+    engine = SimEngine(
+        tokenize_delay=args.sim_tokenize_delay,
+        dispatch_delay=args.sim_dispatch_delay,
+        first_token_delay=args.sim_first_token_delay,
+        token_interval=args.sim_token_interval,
+    )
+    trio.run(
+        lambda: serve(
+            engine,
+            host=args.host,
+            port=args.port,
+            model=args.served_model_name or "trio-sglang-sim",
+            policy=AbortPolicy(shutdown_grace=args.shutdown_grace),
+            max_body_bytes=args.max_body_bytes,
+        )
+    )
+    return 0

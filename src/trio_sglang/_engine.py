@@ -100,3 +100,7 @@ class Engine(Protocol):
     def abort(self, rid: str) -> None:
         """Ask the engine to abort ``rid`` (``abort_request``); may be lost."""
         ...
+
+    def live_requests(self) -> int:
+        """How many requests the engine holds right now (for metrics)."""
+        ...

@@ -106,14 +106,14 @@ class EnginePump:
             finally:
                 self._reading = False
                 if self._cleaning:
-                    self._worker._end_cleanup(self._scope)
+                    self._worker._end_cleanup(self._scope, self._request)
         if self._cleaning and self._scope.cancelled_caught:
             self._worker._log_unfinished_cleanup(self._request, self._scope)
 
     def _become_cleanup(self) -> None:
         if not self._cleaning:
             self._cleaning = True
-            self._worker._begin_cleanup()
+            self._worker._begin_cleanup(self._request)
             self._worker._guard_cleanup(self._scope)
 
     def _abort_when_dispatched(self, rid: str) -> None:

@@ -64,6 +64,9 @@ class SimEngine:
     def live_rids(self) -> set[str]:
         return set(self._tm.rid_to_state) | self._tm.scheduler.rids()
 
+    def live_requests(self) -> int:
+        return len(self.live_rids())
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         if self._tm.running:

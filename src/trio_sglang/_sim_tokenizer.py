@@ -282,14 +282,9 @@ class SimStream:
         if n > 1:
             await self._warm_up(prompts[0])
             children = []
-            for state in states:
+            for i, state in enumerate(states):
                 self._tm.release(state)
-                child = self._new_state(
-                    uuid.uuid4().hex,
-                    state.index,
-                    (state.seed, state.prompt_tokens),
-                    state.max_new_tokens,
-                )
+                child = self._new_state(uuid.uuid4().hex, i, prompts[i // n], state.max_new_tokens)
                 self._tm.register(child)
                 children.append(child)
             states = children
@@ -310,7 +305,8 @@ class SimStream:
     def _new_state(
         self, rid: str, index: int | None, prompt: tuple[int, int], max_new_tokens: int
     ) -> ReqState:
-        state = ReqState(rid, index, prompt[0], prompt[1], max_new_tokens, self._deliver)
+        seed = prompt[0] + 104729 * (index or 0)  # samples of one prompt differ
+        state = ReqState(rid, index, seed, prompt[1], max_new_tokens, self._deliver)
         self._states.append(state)
         return state
 

@@ -32,6 +32,7 @@ from ._context import RequestContext
 from ._engine import Engine
 from ._errors import EngineShutdown, InvalidRequest
 from ._ids import mint_rid
+from ._observer import WorkerObserver
 from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
 from ._pump import EnginePump
@@ -150,9 +151,16 @@ class ResponseStream:
 class Worker:
     """Runs generation requests against one engine; see ``open_worker``."""
 
-    def __init__(self, engine: Engine, policy: AbortPolicy, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        policy: AbortPolicy,
+        nursery: trio.Nursery,
+        observer: WorkerObserver | None = None,
+    ) -> None:
         self._engine = engine
         self._policy = policy
+        self._observer = observer
         self._nursery = nursery
         self._features = dict(engine.features())
         self._engine_cleanup = EngineCleanup(engine, policy)
@@ -262,11 +270,12 @@ class Worker:
                 request.public_id,
             )
             return
-        self._begin_cleanup()
+        self._begin_cleanup(request)
         self._nursery.start_soon(self._run_cleanup, request)
 
-    def _begin_cleanup(self) -> None:
+    def _begin_cleanup(self, request: EngineRequest) -> None:
         """Count a cleanup from the moment it is owed, before its task runs."""
+        request.cancelled_at = trio.current_time()
         self._pending_cleanups += 1
 
     def _guard_cleanup(self, scope: trio.CancelScope) -> None:
@@ -280,9 +289,14 @@ class Worker:
         if self._cancel_cleanups:
             scope.cancel()
 
-    def _end_cleanup(self, scope: trio.CancelScope) -> None:
+    def _end_cleanup(self, scope: trio.CancelScope, request: EngineRequest) -> None:
         self._cleanups.discard(scope)
         self._pending_cleanups -= 1
+        if self._observer is not None and request.cancelled_at is not None:
+            self._observer.cleanup_finished(
+                trio.current_time() - request.cancelled_at,
+                released=not request.held_by(self._engine),
+            )
         self._maybe_quiet()
 
     def _log_unfinished_cleanup(self, request: EngineRequest, scope: trio.CancelScope) -> None:
@@ -301,7 +315,7 @@ class Worker:
             try:
                 await self._engine_cleanup.stop(request)
             finally:
-                self._end_cleanup(scope)
+                self._end_cleanup(scope, request)
         if scope.cancelled_caught:
             self._log_unfinished_cleanup(request, scope)
 
@@ -327,9 +341,11 @@ class Worker:
 
 @asynccontextmanager
 async def open_worker(
-    engine: Engine, *, policy: AbortPolicy | None = None
+    engine: Engine, *, policy: AbortPolicy | None = None, observer: WorkerObserver | None = None
 ) -> AsyncIterator[Worker]:
     """Run ``engine`` and a worker over it for the life of the block.
+
+    ``observer``, if given, hears how each engine-side cleanup went (metrics).
 
     On exit, open streams get ``EngineShutdown``, pending cleanup gets
     ``policy.shutdown_grace`` seconds and is then cancelled, and only after
@@ -344,7 +360,7 @@ async def open_worker(
         worker: Worker | None = None
         try:
             async with trio.open_nursery() as nursery:
-                worker = Worker(engine, policy, nursery)
+                worker = Worker(engine, policy, nursery, observer)
                 try:
                     yield worker
                 finally:

@@ -1,0 +1,232 @@
+"""The ASGI application: one worker behind SGLang-native and OpenAI endpoints.
+
+A response that is being generated always has a second task reading the
+connection: hypercorn delivers ``http.disconnect`` the moment the client goes,
+even while the response is idle between tokens, and that task turns it into
+``ctx.kill()``. So a disconnect stops the request through the worker's
+lifecycle at once, with no fixed delay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from .._context import RequestContext
+from .._errors import EngineShutdown, InvalidRequest
+from .._worker import Worker
+from ._asgi import (
+    SSE_DONE,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    read_json,
+    send_json,
+    send_sse,
+    send_text,
+    sse_event,
+    start_sse,
+)
+from ._errors import HTTPError, error_body
+from ._metrics import Outcome, ServerMetrics
+from ._native import NativePlan
+from ._openai import ChatPlan, CompletionPlan
+from ._plan import Plan
+
+__all__ = ["ServerApp"]
+
+logger = logging.getLogger("trio_sglang.server")
+
+#: Bodies over this many bytes get 413 unless the server is told otherwise.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+class ServerApp:
+    def __init__(
+        self,
+        worker: Worker,
+        metrics: ServerMetrics,
+        *,
+        model: str,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.model = model
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self._closing = False
+        self._contexts: set[RequestContext] = set()
+        metrics.watch(worker)
+
+    def close(self) -> None:
+        """Stop taking requests and end every response being generated.
+
+        Synchronous, for the signal handler; the streams end at once and
+        their engine-side cleanup goes on in the worker.
+        """
+        self._closing = True
+        for ctx in list(self._contexts):
+            ctx.stop()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        posts: dict[str, Callable[[dict[str, Any]], Plan]] = {
+            "/generate": NativePlan.parse,
+            "/v1/completions": lambda body: CompletionPlan.parse(body, self._model_of(body)),
+            "/v1/chat/completions": lambda body: ChatPlan.parse(body, self._model_of(body)),
+        }
+        gets: dict[str, Callable[[Send], Any]] = {
+            "/health": self._health,
+            "/v1/models": self._models,
+            "/capabilities": self._capabilities,
+            "/metrics": self._metrics,
+        }
+        if path in posts and method == "POST":
+            await self._generate(path, posts[path], scope, receive, send)
+        elif path in gets and method in ("GET", "HEAD"):
+            await gets[path](send)
+        elif path in posts or path in gets:
+            await send_json(send, 405, error_body(f"{method} is not allowed on {path}", code=405))
+        else:
+            await send_json(send, 404, error_body(f"no route {path}", code=404))
+
+    def _model_of(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise HTTPError(400, "'model' is required", param="model")
+        if model != self.model:
+            raise HTTPError(
+                404, f"The model `{model}` does not exist.", kind="model_not_found", param="model"
+            )
+        return model
+
+    async def _health(self, send: Send) -> None:
+        if self._closing:
+            await send_json(send, 503, {"status": "shutting down"})
+        else:
+            await send_json(send, 200, {"status": "ok"})
+
+    async def _models(self, send: Send) -> None:
+        model = {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "trio-sglang",
+        }
+        await send_json(send, 200, {"object": "list", "data": [model]})
+
+    async def _capabilities(self, send: Send) -> None:
+        await send_json(send, 200, self.worker.capabilities())
+
+    async def _metrics(self, send: Send) -> None:
+        await send_text(send, 200, self.metrics.render().decode(), b"text/plain; version=0.0.4")
+
+    # -- generation ----------------------------------------------------------
+
+    async def _generate(
+        self,
+        endpoint: str,
+        parse: Callable[[dict[str, Any]], Plan],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        try:
+            plan = parse(await read_json(scope, receive, self.max_body_bytes))
+            if self._closing:
+                raise HTTPError(503, "the server is shutting down", kind="server_error")
+        except ClientGone:
+            self._count(endpoint, "cancelled", phase="before_headers")
+            return
+        except HTTPError as exc:
+            self._count(endpoint, "rejected")
+            await send_json(send, exc.status, exc.body())
+            return
+        ctx = RequestContext(plan.public_id)
+        self._contexts.add(ctx)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, receive, ctx)
+                outcome = await self._respond(plan, ctx, send)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._contexts.discard(ctx)
+        phase = None
+        if outcome == "cancelled":
+            phase = "mid_stream" if plan.children else "before_first_token"
+        self._count(endpoint, outcome, phase=phase)
+
+    async def _watch_disconnect(self, receive: Receive, ctx: RequestContext) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        ctx.kill()
+
+    async def _respond(self, plan: Plan, ctx: RequestContext, send: Send) -> Outcome:
+        """Generate and answer; every failure becomes a response, never an exception."""
+        started = False
+        try:
+            async with self.worker.generate(plan.native, ctx, output="native") as chunks:
+                if plan.stream:
+                    await start_sse(send)
+                    started = True
+                async for out in chunks:
+                    index, _ = plan.add(out)
+                    if plan.stream:
+                        for event in plan.events(index, out):
+                            await send_sse(send, sse_event(event))
+        except InvalidRequest as exc:
+            await send_json(send, 400, error_body(str(exc), code=400))
+            return "rejected"
+        except EngineShutdown:
+            await self._fail(send, started, 503, "the server is shutting down")
+            return "shutdown"
+        except Exception:
+            logger.exception("request %s failed", plan.public_id)
+            await self._fail(send, started, 500, "the engine failed while generating")
+            return "failed"
+        if ctx.killed:
+            return "cancelled"  # the client is gone: nothing more to send
+        if ctx.stopped:
+            await self._fail(send, started, 503, "the server is shutting down")
+            return "shutdown"
+        if plan.stream:
+            for event in plan.closing_events():
+                await send_sse(send, sse_event(event))
+            await send_sse(send, SSE_DONE, more=False)
+        else:
+            await send_json(send, 200, plan.body())
+        return "completed"
+
+    async def _fail(self, send: Send, started: bool, status: int, message: str) -> None:
+        kind = "server_error"
+        if not started:
+            await send_json(send, status, error_body(message, kind=kind, code=status))
+            return
+        await send_sse(send, sse_event(error_body(message, kind=kind, code=status)))
+        await send_sse(send, SSE_DONE, more=False)
+
+    def _count(self, endpoint: str, outcome: Outcome, *, phase: str | None = None) -> None:
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        if phase is not None:
+            self.metrics.cancellations.labels(phase).inc()

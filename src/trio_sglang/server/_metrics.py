@@ -1,0 +1,72 @@
+"""Prometheus metrics of one server, in its own registry (no process globals)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .._worker import Worker
+
+__all__ = ["CancelPhase", "ServerMetrics"]
+
+CancelPhase = Literal["before_headers", "before_first_token", "mid_stream"]
+Outcome = Literal["completed", "cancelled", "rejected", "failed", "shutdown"]
+
+
+class ServerMetrics:
+    """Names prefixed ``trio_sglang_``; also the worker's cleanup observer."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "trio_sglang_requests",
+            "Generation requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.cancellations = Counter(
+            "trio_sglang_cancellations",
+            "Requests whose client went away, by how far the response had got.",
+            ["phase"],
+            registry=self.registry,
+        )
+        self.abort_delay = Histogram(
+            "trio_sglang_abort_delay_seconds",
+            "From the client leaving to the engine letting go of the request.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=self.registry,
+        )
+        self.cleanups_unconfirmed = Counter(
+            "trio_sglang_cleanups_unconfirmed",
+            "Cleanups that ended with the engine still holding the request.",
+            registry=self.registry,
+        )
+        self.cleanup_tasks = Gauge(
+            "trio_sglang_cleanup_tasks_in_flight",
+            "Engine-side cleanups still running.",
+            registry=self.registry,
+        )
+        self.open_streams = Gauge(
+            "trio_sglang_open_streams", "Responses being generated.", registry=self.registry
+        )
+        self.engine_live = Gauge(
+            "trio_sglang_engine_live_requests",
+            "Requests the engine still holds (registered or scheduled).",
+            registry=self.registry,
+        )
+
+    def watch(self, worker: Worker) -> None:
+        """Sample the worker's and the engine's gauges at every scrape."""
+        self.cleanup_tasks.set_function(lambda: worker.pending_cleanups)
+        self.open_streams.set_function(lambda: worker.open_streams)
+        self.engine_live.set_function(worker.engine.live_requests)
+
+    def cleanup_finished(self, seconds: float, *, released: bool) -> None:
+        if released:
+            self.abort_delay.observe(seconds)
+        else:
+            self.cleanups_unconfirmed.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

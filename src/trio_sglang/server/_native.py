@@ -1,0 +1,55 @@
+"""``POST /generate``: SGLang's native body in, SGLang's native outputs back."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from ._errors import HTTPError
+from ._plan import Plan
+
+__all__ = ["NativePlan"]
+
+
+class NativePlan(Plan):
+    """Streams SGLang's (incremental) output dicts; otherwise answers the totals.
+
+    The public id is the caller's ``rid`` (``<rid>_<i>`` or the list entry
+    for children), else a fresh ``gen-...`` id: the worker's own engine rid
+    never appears. The body is validated by the worker itself.
+    """
+
+    def __init__(self, native: dict[str, Any], stream: bool, n: int, many: bool) -> None:
+        super().__init__(native, f"gen-{uuid.uuid4().hex}", stream, n)
+        self.many = many  # a list comes back, as SGLang answers batches and n > 1
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> NativePlan:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise HTTPError(400, "'stream' must be a bool", param="stream")
+        native = {k: v for k, v in body.items() if k != "stream"}
+        sampling = native.get("sampling_params")
+        first = sampling[0] if isinstance(sampling, list) and sampling else sampling
+        n = first.get("n") if isinstance(first, dict) else None
+        n = n if isinstance(n, int) and n > 1 else 1
+        ids = native.get("input_ids")
+        batch = isinstance(native.get("text"), list) or (
+            isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        )
+        return cls(native, stream, n, batch or n > 1)
+
+    def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
+        return [out]
+
+    def body(self) -> object:
+        results = [
+            {
+                "text": child.text,
+                "output_ids": child.output_ids,
+                "meta_info": child.meta,
+                **({"index": index} if self.many else {}),
+            }
+            for index, child in sorted(self.children.items())
+        ]
+        return results if self.many else results[0]

@@ -1,0 +1,254 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: OpenAI's schemas over SGLang's outputs."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+from ._errors import HTTPError
+from ._plan import Plan
+
+__all__ = ["ChatPlan", "CompletionPlan"]
+
+_COMMON = {
+    "model",
+    "max_tokens",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "user",
+}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+#: OpenAI's default for completions; chat has none (we use the engine's).
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def _check_fields(body: dict[str, Any], known: set[str]) -> None:
+    for key in body:
+        if key not in known:
+            raise HTTPError(400, f"Unrecognized request argument supplied: {key}", param=key)
+
+
+def _int(body: dict[str, Any], key: str, *, low: int, default: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise HTTPError(400, f"'{key}' must be an integer >= {low}, got {value!r}", param=key)
+    return value
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise HTTPError(400, f"'{key}' must be a number, got {value!r}", param=key)
+    return float(value)
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None) -> tuple[dict[str, Any], int]:
+    n = _int(body, "n", low=1, default=1)
+    assert n is not None
+    params: dict[str, Any] = {"n": n}
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        if not (
+            isinstance(stop, str)
+            or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+        ):
+            raise HTTPError(400, "'stop' must be a string or a list of strings", param="stop")
+        params["stop"] = stop
+    for key, target in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+    ):
+        value = _number(body, key)
+        if value is not None:
+            params[target] = value
+    seed = _int(body, "seed", low=0, default=None)
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return params, n
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise HTTPError(400, "'stream' must be a bool", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise HTTPError(
+            400, "'stream_options.include_usage' must be a bool", param="stream_options"
+        )
+    return stream, include_usage
+
+
+class _OpenAIPlan(Plan):
+    object_name = ""
+    chunk_name = ""
+    id_prefix = ""
+
+    def __init__(
+        self, native: dict[str, Any], stream: bool, n: int, model: str, include_usage: bool
+    ) -> None:
+        super().__init__(native, f"{self.id_prefix}{uuid.uuid4().hex}", stream, n)
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.public_id,
+            "object": name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def closing_events(self) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        return [{**self._envelope(self.chunk_name, []), "usage": self.usage()}]
+
+
+class CompletionPlan(_OpenAIPlan):
+    object_name = "text_completion"
+    chunk_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], model: str) -> CompletionPlan:
+        _check_fields(body, _COMPLETION_FIELDS)
+        if body.get("echo") or body.get("logprobs") is not None or body.get("suffix") is not None:
+            raise HTTPError(400, "echo, logprobs and suffix are not supported")
+        if _int(body, "best_of", low=1, default=1) != 1:
+            raise HTTPError(400, "best_of is not supported", param="best_of")
+        prompt = body.get("prompt")
+        native: dict[str, Any]
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
+        ):
+            native = {"text": prompt}
+        elif isinstance(prompt, list) and prompt:
+            native = {"input_ids": prompt}  # token ids, or a list of them
+        else:
+            raise HTTPError(
+                400,
+                "'prompt' must be a non-empty string, list of strings, or token ids",
+                param="prompt",
+            )
+        max_tokens = _int(body, "max_tokens", low=0, default=_COMPLETIONS_DEFAULT_MAX_TOKENS)
+        native["sampling_params"], n = _sampling(body, max_tokens)
+        stream, include_usage = _stream_flags(body)
+        return cls(native, stream, n, model, include_usage)
+
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
+        reason = self.children[index].finish_reason
+        return [self._envelope(self.chunk_name, [self._choice(index, out.get("text", ""), reason)])]
+
+    def body(self) -> object:
+        choices = [
+            self._choice(index, child.text, child.finish_reason)
+            for index, child in sorted(self.children.items())
+        ]
+        return {**self._envelope(self.object_name, choices), "usage": self.usage()}
+
+
+class ChatPlan(_OpenAIPlan):
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], model: str) -> ChatPlan:
+        _check_fields(body, _CHAT_FIELDS)
+        if body.get("logprobs"):
+            raise HTTPError(400, "logprobs is not supported", param="logprobs")
+        native: dict[str, Any] = {"text": _chat_prompt(body.get("messages"))}
+        max_tokens = _int(body, "max_completion_tokens", low=0, default=None)
+        if max_tokens is None:
+            max_tokens = _int(body, "max_tokens", low=0, default=None)
+        native["sampling_params"], n = _sampling(body, max_tokens)
+        stream, include_usage = _stream_flags(body)
+        return cls(native, stream, n, model, include_usage)
+
+    def __init__(
+        self, native: dict[str, Any], stream: bool, n: int, model: str, include_usage: bool
+    ) -> None:
+        super().__init__(native, stream, n, model, include_usage)
+        self._spoken: set[int] = set()  # children whose first delta (with the role) went out
+
+    def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
+        child = self.children[index]
+        delta: dict[str, Any] = {"content": out.get("text", "")}
+        if index not in self._spoken:
+            self._spoken.add(index)
+            delta = {"role": "assistant", **delta}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": child.finish_reason,
+        }
+        return [self._envelope(self.chunk_name, [choice])]
+
+    def body(self) -> object:
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": child.text},
+                "logprobs": None,
+                "finish_reason": child.finish_reason,
+            }
+            for index, child in sorted(self.children.items())
+        ]
+        return {**self._envelope(self.object_name, choices), "usage": self.usage()}
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _chat_prompt(messages: object) -> str:
+    """A plain-text transcript (the SimEngine has no chat template to apply)."""
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "'messages' must be a non-empty list", param="messages")
+    lines = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise HTTPError(
+                400, f"messages[{i}] needs a role in {sorted(_ROLES)}", param="messages"
+            )
+        lines.append(f"{message['role']}: {_content_text(message.get('content'), i)}")
+    lines.append("assistant:")
+    return "\n".join(lines)
+
+
+def _content_text(content: object, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    raise HTTPError(400, f"messages[{i}].content must be text", param="messages")

@@ -1,0 +1,92 @@
+"""``serve``: the worker, the HTTP server over it, and a graceful, ordered shutdown.
+
+The order follows hypercorn's own trio worker: the engine and the worker are
+entered first; the HTTP server (and the nursery its handlers run in) is
+started after them and stopped before them. On SIGINT or SIGTERM the app
+stops taking requests and ends every response (their engine-side cleanup
+goes on in the worker), hypercorn closes its connections, and then leaving
+the worker gives pending cleanup its grace before the engine closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import TYPE_CHECKING, cast
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from .._engine import Engine
+from .._policy import AbortPolicy
+from .._worker import open_worker
+from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
+from ._metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
+
+__all__ = ["serve"]
+
+logger = logging.getLogger("trio_sglang.server")
+
+
+async def serve(
+    engine: Engine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model: str = "trio-sglang",
+    policy: AbortPolicy | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    handle_signals: bool = True,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or ``shutdown`` is set); reports the bound URLs.
+
+    ``task_status.started`` receives the URLs the server listens on (useful
+    with ``port=0``).
+    """
+    shutdown = trio.Event() if shutdown is None else shutdown
+    metrics = ServerMetrics()
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # through logging, once
+    config.graceful_timeout = 1.0  # streams are already ended by then
+    async with open_worker(engine, policy=policy, observer=metrics) as worker:
+        app = ServerApp(worker, metrics, model=model, max_body_bytes=max_body_bytes)
+
+        async def trigger() -> None:
+            await shutdown.wait()
+            app.close()
+
+        async with trio.open_nursery() as nursery:
+
+            async def http(task_status: trio.TaskStatus[list[str]]) -> None:
+                try:
+                    await hypercorn_serve(
+                        cast("ASGIFramework", app),
+                        config,
+                        shutdown_trigger=trigger,
+                        task_status=task_status,
+                    )
+                finally:  # hypercorn is done with its handlers: stop watching signals
+                    nursery.cancel_scope.cancel()
+
+            if handle_signals:
+                nursery.start_soon(_signals_set, shutdown)
+            urls: list[str] = await nursery.start(http)
+            logger.info("serving %s on %s", model, ", ".join(urls))
+            task_status.started(urls)
+        logger.info("HTTP server stopped; finishing engine-side cleanup")
+
+
+async def _signals_set(event: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            logger.info("received %s: shutting down", signal.Signals(signum).name)
+            event.set()
+            return

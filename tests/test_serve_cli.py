@@ -1,0 +1,91 @@
+"""``trio-sglang serve`` as a user runs it: a subprocess, signals, streams open."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import trio
+
+from _readme import readme_block
+
+
+async def start(*args: str) -> tuple[trio.Process, str, bytearray]:
+    """Start the CLI on a free loopback port; return it, its URL and its stderr so far."""
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_sglang", "serve", "--port", "0", *args],
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    log = bytearray()
+    with trio.fail_after(20):
+        while not (match := re.search(rb"serving \S+ on (http://\S+)", log)):
+            chunk = await proc.stderr.receive_some()
+            if not chunk:
+                raise AssertionError(f"serve exited early: {log.decode()}")
+            log += chunk
+    return proc, match.group(1).decode(), log
+
+
+async def drain_stderr(proc: trio.Process, log: bytearray) -> None:
+    assert proc.stderr is not None
+    while chunk := await proc.stderr.receive_some():
+        log += chunk
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_a_signal_ends_open_streams_then_the_server(signum: signal.Signals) -> None:
+    proc, url, log = await start("--sim-token-interval", "0.2")
+    assert url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 1000}}
+    events: list[str] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain_stderr, proc, log)
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=10) as client,
+                client.stream("POST", "/generate", json=body) as response,
+            ):
+                with trio.fail_after(10):
+                    async for line in response.aiter_lines():
+                        if not line:
+                            continue
+                        events.append(line)
+                        if len(events) == 2:
+                            proc.send_signal(signum)  # two tokens in, 998 to go
+            with trio.fail_after(10):
+                assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert "shutting down" in error["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) < 50  # ended by the signal, not by the 1000 tokens
+    assert f"received {signum.name}" in log.decode()
+
+
+async def test_the_readme_curl_and_openai_examples_work() -> None:
+    proc, url, _ = await start()
+    try:
+        readme_url = "http://127.0.0.1:8000"
+        curl = readme_block("bash", "curl ").replace(readme_url, url)
+        result = await trio.run_process(["bash", "-c", curl], capture_stdout=True)
+        events = [line for line in result.stdout.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert len(events) == 9  # eight tokens, then [DONE]
+
+        sdk = readme_block("python", "from openai import OpenAI").replace(readme_url, url)
+        result = await trio.run_process(
+            [sys.executable, "-c", sdk], capture_stdout=True, capture_stderr=True
+        )
+        assert result.stdout.decode().strip()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        with trio.fail_after(10):
+            await proc.wait()
