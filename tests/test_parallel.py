@@ -274,3 +274,26 @@ async def test_an_engine_error_reaches_a_parallel_stream_and_its_children_stop(
         assert worker.pending_cleanups == 0
     assert engine.sim.live_rids() == set()
     assert "abort_applied" in [e.kind for e in engine.sim.trace]
+
+
+async def test_a_worker_cancelled_from_outside_ends_outside_streams_with_engine_shutdown(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = new_engine(True).sim
+    raised: list[BaseException] = []
+
+    async def consumer(worker: ts.Worker) -> None:
+        try:
+            await drain(worker, SHAPES[1].request)
+        except ts.EngineShutdown as exc:
+            raised.append(exc)
+
+    async with trio.open_nursery() as outer:
+        with trio.CancelScope() as scope:
+            async with ts.open_worker(engine) as worker:
+                outer.start_soon(consumer, worker)
+                await trio.sleep(5.0)  # mid-stream
+                scope.cancel()
+                await trio.sleep_forever()
+    assert len(raised) == 1
+    assert engine.live_rids() == set()

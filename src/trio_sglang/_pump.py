@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ._cleanup import EngineCleanup, EngineRequest
+from ._errors import EngineShutdown
 from ._policy import AbortPolicy
 
 if TYPE_CHECKING:
@@ -136,7 +137,16 @@ class EnginePump:
                                 await self._send.send(out)
                         elif child is not None and not request.children[child]:
                             self._abort_when_dispatched(child)  # first seen after the cancel
+                    # Before the channel closes: a caller that sees the end now
+                    # must not count it as leaving early.
+                    self._reading = False
                     return True
+            # Set before the channel closes, so that the caller raises it.
             except Exception as exc:
-                self._error = exc  # set before the channel closes: the caller raises it
+                self._error = exc
+            except BaseException:
+                # Cancelled from outside the worker: the caller's stream must
+                # not look like it ended normally.
+                self._error = EngineShutdown("the worker's tasks were cancelled")
+                raise
         return False
