@@ -35,6 +35,12 @@ _PASSTHROUGH_FIELDS = frozenset(
         "bootstrap_room",
         "data_parallel_rank",
         "priority",
+        # Bookkeeping flags that routers (sglang-router) add to every request.
+        "log_metrics",
+        "background",
+        "no_logs",
+        "return_bytes",
+        "return_entropy",
     }
 )
 _OWN_FIELDS = frozenset({"text", "input_ids", "sampling_params", "rid", "stream"})

@@ -28,7 +28,8 @@ class NativePlan(Plan):
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "'stream' must be a bool", param="stream")
-        native = {k: v for k, v in body.items() if k != "stream"}
+        # sglang-router adds "model" (null) to every /generate body.
+        native = {k: v for k, v in body.items() if k not in ("stream", "model")}
         sampling = native.get("sampling_params")
         first = sampling[0] if isinstance(sampling, list) and sampling else sampling
         n = first.get("n") if isinstance(first, dict) else None

@@ -26,8 +26,26 @@ _COMMON = {
     "seed",
     "user",
 }
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+#: SGLang's extensions of OpenAI's schemas, which sglang-router sends on every request.
+_SGLANG_SAMPLING = {"ignore_eos", "skip_special_tokens", "no_stop_trim"}
+_SGLANG_IGNORED = {
+    "return_hidden_states",
+    "continue_final_message",
+    "separate_reasoning",
+    "stream_reasoning",
+}
+_COMPLETION_FIELDS = (
+    _COMMON
+    | _SGLANG_SAMPLING
+    | _SGLANG_IGNORED
+    | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+)
+_CHAT_FIELDS = (
+    _COMMON
+    | _SGLANG_SAMPLING
+    | _SGLANG_IGNORED
+    | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+)
 #: OpenAI's default for completions; chat has none (we use the engine's).
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -82,6 +100,12 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> tuple[dict[str, A
     seed = _int(body, "seed", low=0, default=None)
     if seed is not None:
         params["sampling_seed"] = seed
+    for key in _SGLANG_SAMPLING:
+        value = body.get(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise HTTPError(400, f"'{key}' must be a bool", param=key)
+            params[key] = value
     return params, n
 
 
@@ -136,7 +160,7 @@ class CompletionPlan(_OpenAIPlan):
     @classmethod
     def parse(cls, body: dict[str, Any], model: str) -> CompletionPlan:
         _check_fields(body, _COMPLETION_FIELDS)
-        if body.get("echo") or body.get("logprobs") is not None or body.get("suffix") is not None:
+        if body.get("echo") or body.get("logprobs") or body.get("suffix") is not None:
             raise HTTPError(400, "echo, logprobs and suffix are not supported")
         if _int(body, "best_of", low=1, default=1) != 1:
             raise HTTPError(400, "best_of is not supported", param="best_of")

@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import TYPE_CHECKING, cast
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from .._engine import Engine
 from .._policy import AbortPolicy
 from .._worker import open_worker
 from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
+from ._http import serve_http
 from ._metrics import ServerMetrics
-
-if TYPE_CHECKING:
-    from hypercorn.typing import ASGIFramework
 
 __all__ = ["serve"]
 
@@ -58,22 +54,12 @@ async def serve(
     config.graceful_timeout = 1.0  # streams are already ended by then
     async with open_worker(engine, policy=policy, observer=metrics) as worker:
         app = ServerApp(worker, metrics, model=model, max_body_bytes=max_body_bytes)
-
-        async def trigger() -> None:
-            await shutdown.wait()
-            app.close()
-
         async with trio.open_nursery() as nursery:
 
             async def http(task_status: trio.TaskStatus[list[str]]) -> None:
                 try:
-                    await hypercorn_serve(
-                        cast("ASGIFramework", app),
-                        config,
-                        shutdown_trigger=trigger,
-                        task_status=task_status,
-                    )
-                finally:  # hypercorn is done with its handlers: stop watching signals
+                    await serve_http(app, config, shutdown, task_status=task_status)
+                finally:  # the connections are done: stop watching signals
                     nursery.cancel_scope.cancel()
 
             if handle_signals:
