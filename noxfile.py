@@ -1,4 +1,4 @@
-"""The one entry point: ``nox -s tests``, ``lint``, ``typecheck``, ``serve``, ``demo``.
+"""The one entry point: ``nox -s tests``, ``sglang``, ``lint``, ``typecheck``, ``bench``, ``serve``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -19,9 +19,23 @@ def install(session: nox.Session, *extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite (pytest-trio, MockClock; no GPU, no network)."""
+    """The test suite (pytest-trio, MockClock; loopback only; no GPU, no SGLang)."""
     install(session, "test")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-m", "not sglang", *session.posargs)
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """Conformance with the real SGLang TokenizerManager, on a CPU-only machine.
+
+    SGLang itself goes in with --no-deps (its full requirements pull the CUDA
+    stack) beside the packages it needs at import time; torch is pinned in
+    that same command, or pip would swap it for another build.
+    """
+    session.install("torch==2.14.1", "torchvision==0.29.1", "-r", "requirements/sglang-cpu.txt")
+    session.install("--no-deps", "sglang==0.5.23")
+    install(session, "test")
+    session.run("pytest", "-m", "sglang", "-s", *session.posargs)
 
 
 @nox.session
@@ -44,6 +58,13 @@ def serve(session: nox.Session) -> None:
     """``trio-sglang serve`` on the SimEngine (options after ``--``, e.g. ``-- --port 9000``)."""
     install(session, "serve")
     session.run("trio-sglang", "serve", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The cancel-latency benchmark (``-- --quick`` for a subset under a minute)."""
+    install(session, "bench")
+    session.run("python", "benchmarks/cancel_latency.py", *session.posargs)
 
 
 @nox.session

@@ -356,3 +356,17 @@ async def test_openai_sdk_sees_a_clear_error_for_a_bad_request(start_server: Sta
 
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         await trio.to_thread.run_sync(call)
+
+
+async def test_a_broken_http2_connection_does_not_take_the_server_down(
+    start_server: StartServer,
+) -> None:
+    # sglang-router probes workers with gRPC over cleartext HTTP/2; hypercorn's
+    # HTTP/2 code can raise on such connections. Each must end alone.
+    server = await start_server()
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    for junk in (b"", b"\x00\x00\x00\x04\x00\x00\x00\x00\x00", b"\xff" * 64):
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await stream.send_all(preface + junk)
+        await stream.aclose()
+    assert (await server.client.get("/health")).json() == {"status": "ok"}

@@ -328,3 +328,21 @@ async def test_worker_capabilities_on_sim_engine(autojump_clock: trio.testing.Mo
     assert caps["package"]["version"] == ts.__version__
     assert all(caps["features"][key] for key in (*LIFECYCLE_FEATURES, *ENGINE_FEATURES))
     assert list(engine.trace) == []
+
+
+# -- SGLangEngine arguments (the engine itself is covered by tests/test_conformance.py) --
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({}, id="nothing"),
+        pytest.param({"engine": object(), "tokenizer_manager": object()}, id="two-sources"),
+        pytest.param({"engine": object(), "model_path": "m"}, id="engine-and-args"),
+        pytest.param({"tokenizer_manager": object(), "poll_interval": 0}, id="zero-poll"),
+        pytest.param({"tokenizer_manager": object(), "poll_interval": math.inf}, id="inf-poll"),
+    ],
+)
+def test_sglang_engine_needs_exactly_one_source(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"exactly one|poll_interval"):
+        ts.SGLangEngine(**kwargs)

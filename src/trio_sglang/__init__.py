@@ -9,6 +9,7 @@ from ._errors import EngineShutdown, InvalidRequest
 from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode
+from ._sglang_engine import SGLangEngine
 from ._sim_engine import SimEngine
 from ._sim_trace import TraceEvent, TraceKind
 from ._version import __version__
@@ -24,6 +25,7 @@ __all__ = [
     "RequestContext",
     "RequestPhase",
     "ResponseStream",
+    "SGLangEngine",
     "SimEngine",
     "TraceEvent",
     "TraceKind",

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
 from ._demo import run_demo
+from ._engine import Engine
 from ._policy import AbortPolicy
+from ._sglang_engine import SGLangEngine
 from ._sim_engine import SimEngine
 from ._version import __version__
 
@@ -51,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", choices=["sim", "sglang"], default="sim")
     serve.add_argument("--model-path", help="model directory or id (for --engine sglang)")
     serve.add_argument(
-        "--served-model-name", help="the model name clients send (default: trio-sglang-sim)"
+        "--served-model-name",
+        help="the model name clients send (default: trio-sglang-sim, or the model folder name)",
     )
     serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
     serve.add_argument("--shutdown-grace", type=_seconds, default=1.0, help="seconds")
@@ -81,26 +86,36 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"trio-sglang serve needs the serve extra: pip install 'trio-sglang[serve]' ({exc})")
         return 2
+    engine: Engine
     if args.engine == "sglang":
-        print(
-            "--engine sglang needs the SGLangEngine adapter, which this release does not "
-            "include yet; use --engine sim"
+        if not args.model_path:
+            print("--engine sglang needs --model-path")
+            return 2
+        if importlib.util.find_spec("sglang") is None:
+            print("--engine sglang needs SGLang: pip install 'trio-sglang[sglang]' (a GPU machine)")
+            return 2
+        engine = SGLangEngine(model_path=args.model_path)
+    else:
+        engine = SimEngine(
+            tokenize_delay=args.sim_tokenize_delay,
+            dispatch_delay=args.sim_dispatch_delay,
+            first_token_delay=args.sim_first_token_delay,
+            token_interval=args.sim_token_interval,
         )
-        return 2
-    engine = SimEngine(
-        tokenize_delay=args.sim_tokenize_delay,
-        dispatch_delay=args.sim_dispatch_delay,
-        first_token_delay=args.sim_first_token_delay,
-        token_interval=args.sim_token_interval,
-    )
     trio.run(
         lambda: serve(
             engine,
             host=args.host,
             port=args.port,
-            model=args.served_model_name or "trio-sglang-sim",
+            model=args.served_model_name or _default_model_name(args),
             policy=AbortPolicy(shutdown_grace=args.shutdown_grace),
             max_body_bytes=args.max_body_bytes,
         )
     )
     return 0
+
+
+def _default_model_name(args: argparse.Namespace) -> str:
+    if args.engine == "sglang":
+        return Path(args.model_path).name
+    return "trio-sglang-sim"

@@ -1,0 +1,231 @@
+"""``SGLangEngine``: the real SGLang behind the engine protocol, through trio-asyncio.
+
+SGLang is asyncio code; trio-asyncio runs an asyncio loop inside the trio run,
+so the ``TokenizerManager``'s generator and its receive loop run beside the
+worker's trio tasks in one thread. What this adapter does for the lifecycle
+(SGLANG_FACTS.md):
+
+- ``generate`` builds the ``GenerateReqInput`` that ``Engine.async_generate``
+  builds and pulls ``tokenizer_manager.generate_request`` one item at a time;
+  a cancelled pull cancels the asyncio side, whose ``except BaseException``
+  release path then runs before the pull returns (trio-asyncio waits for it);
+- ``aclose`` closes the generator explicitly, because a generator parked at
+  its ``yield`` is otherwise finalised only by the garbage collector;
+- ``phase`` reads ``rid_to_state`` and the dispatch mark; there is no event to
+  wait on, so ``wait_phase_change`` polls at a short fixed interval;
+- outputs are made incremental whatever ``incremental_streaming_output`` says.
+
+Where the runtime lacks the registry, the lifecycle falls back to the ids the
+responses reveal (``phase`` then answers from what the streams have seen).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from ._engine import RequestPhase
+
+__all__ = ["SGLangEngine"]
+
+
+class SGLangEngine:
+    """The real SGLang (0.5.23), as an engine for ``open_worker``.
+
+    Give exactly one of: ``engine`` (an ``sglang.Engine`` you own),
+    ``tokenizer_manager`` (a ``TokenizerManager`` built without an Engine, as
+    the GPU-free harness does), or SGLang server arguments
+    (``model_path=...``), in which case ``running()`` launches an
+    ``sglang.Engine`` (blocking while the model loads) and shuts it down at
+    the end. ``poll_interval`` (seconds) is how often ``wait_phase_change``
+    looks at the registry.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Any = None,
+        tokenizer_manager: Any = None,
+        poll_interval: float = 0.0005,
+        **server_args: Any,
+    ) -> None:
+        given = sum(x is not None for x in (engine, tokenizer_manager)) + bool(server_args)
+        if given != 1:
+            raise ValueError(
+                "give exactly one of engine=, tokenizer_manager= or SGLang server arguments"
+            )
+        if not (isinstance(poll_interval, int | float) and 0 < poll_interval < math.inf):
+            raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
+        self._engine = engine
+        self._tm = tokenizer_manager if tokenizer_manager is not None else None
+        self._server_args = server_args
+        self._poll_interval = float(poll_interval)
+        self._running = False
+        #: rid -> phase, from what the streams saw (only used without a registry).
+        self._seen: dict[str, RequestPhase] = {}
+
+    @property
+    def tokenizer_manager(self) -> Any:
+        if self._tm is None:
+            raise RuntimeError("the SGLang engine is not running")
+        return self._tm
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        import trio_asyncio
+
+        if self._running:
+            raise RuntimeError("this SGLangEngine is already running")
+        launched = False
+        if self._tm is None:
+            if self._engine is None:
+                import sglang
+
+                self._engine = sglang.Engine(**self._server_args)
+                launched = True
+            self._tm = self._engine.tokenizer_manager
+        self._running = True
+        try:
+            async with trio_asyncio.open_loop():
+                yield
+        finally:
+            self._running = False
+            if launched:
+                # SGLang's shutdown kills the processes it launched.
+                self._engine.shutdown()
+
+    def features(self) -> Mapping[str, object]:
+        from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
+
+        try:
+            from sglang.version import __version__ as version
+        except ImportError:
+            version = None
+        fields = {f.name for f in dataclasses.fields(ReqState)}
+        return {
+            "kind": "sglang",
+            "sglang_version": version,
+            "request_registry": isinstance(getattr(self._tm, "rid_to_state", None), Mapping),
+            "dispatch_timestamp": "dispatched" in fields or "time_stats" in fields,
+            "abort_sent_flag": "abort_sent" in fields,
+            "release_on_close": hasattr(TokenizerManager, "_release_req_states_on_failure"),
+            "batch_parallel_sampling": True,
+        }
+
+    def generate(self, request: Mapping[str, Any]) -> _SGLangStream:
+        return _SGLangStream(self, request)
+
+    def phase(self, rid: str) -> RequestPhase:
+        registry = getattr(self._tm, "rid_to_state", None)
+        if not isinstance(registry, Mapping):
+            return self._seen.get(rid, RequestPhase.ABSENT)
+        state = registry.get(rid)
+        if state is None:
+            return RequestPhase.ABSENT
+        dispatched = getattr(state, "dispatched", False) or getattr(
+            getattr(state, "time_stats", None), "api_server_dispatch_finish_time", 0
+        )
+        return RequestPhase.DISPATCHED if dispatched else RequestPhase.REGISTERED
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
+        # The registry lives on the asyncio side and announces nothing: poll,
+        # at a fixed short interval (no backoff), until the phase changes.
+        while (current := self.phase(rid)) is phase:  # noqa: ASYNC110
+            await trio.sleep(self._poll_interval)
+        return current
+
+    def abort(self, rid: str) -> None:
+        self.tokenizer_manager.abort_request(rid=rid)
+
+    def live_requests(self) -> int:
+        registry = getattr(self._tm, "rid_to_state", None)
+        if isinstance(registry, Mapping):
+            return len(registry)
+        return sum(p is not RequestPhase.ABSENT for p in self._seen.values())
+
+
+class _SGLangStream:
+    """One ``generate_request`` generator, pulled from trio."""
+
+    def __init__(self, engine: SGLangEngine, request: Mapping[str, Any]) -> None:
+        self._engine = engine
+        self._request = dict(request)
+        self._agen: Any = None
+        self._closed = False
+        self._seen_text: dict[str, int] = {}
+        self._seen_ids: dict[str, int] = {}
+
+    def __aiter__(self) -> _SGLangStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        from trio_asyncio import aio_as_trio
+
+        if self._closed:
+            raise StopAsyncIteration
+        if self._agen is None:
+            from sglang.srt.managers.io_struct import GenerateReqInput
+
+            tm = self._engine.tokenizer_manager
+            self._agen = tm.generate_request(GenerateReqInput(**self._request), None)
+            self._note(self._request["rid"], RequestPhase.REGISTERED)
+        try:
+            out: dict[str, Any] = await aio_as_trio(self._agen.__anext__)()
+        except StopAsyncIteration:
+            self._closed = True
+            self._note(self._request["rid"], RequestPhase.ABSENT)
+            raise
+        # A cancelled pull is not a closed generator: if the cancel landed
+        # before the asyncio task first ran, the generator never saw it and is
+        # still parked at its last yield. Only aclose() (the worker's cleanup
+        # always calls it) is sure to run SGLang's release path.
+        return self._incremental(out)
+
+    async def aclose(self) -> None:
+        from trio_asyncio import aio_as_trio
+
+        if self._agen is not None and not self._closed:
+            self._closed = True
+            # A no-op if the generator already finished (its release path ran).
+            await aio_as_trio(self._agen.aclose)()
+            self._note(self._request["rid"], RequestPhase.ABSENT)
+        self._closed = True
+        await trio.lowlevel.checkpoint()
+
+    def _note(self, rid: object, phase: RequestPhase) -> None:
+        """Remember what this stream showed of its rids (the registry-less fallback)."""
+        for one in rid if isinstance(rid, list) else [rid]:
+            if not isinstance(one, str):
+                continue
+            if phase is RequestPhase.ABSENT:
+                self._engine._seen.pop(one, None)
+            else:
+                self._engine._seen[one] = phase
+
+    def _incremental(self, out: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's output as an increment, whatever the server's streaming mode."""
+        meta = out.get("meta_info") or {}
+        rid = str(meta.get("id"))
+        reason = meta.get("finish_reason")
+        self._note(rid, RequestPhase.DISPATCHED if reason is None else RequestPhase.ABSENT)
+        incremental = getattr(self._engine.tokenizer_manager, "incremental_streaming_output", False)
+        text = out.get("text")
+        ids = list(out.get("output_ids") or ())
+        if incremental:
+            if isinstance(reason, dict) and reason.get("type") == "abort":
+                # SGLang's abort echo repeats the whole text and the last id.
+                text, ids = "", []
+        else:
+            full_text = text if isinstance(text, str) else ""
+            text = full_text[self._seen_text.get(rid, 0) :]
+            self._seen_text[rid] = len(full_text)
+            ids, self._seen_ids[rid] = ids[self._seen_ids.get(rid, 0) :], len(ids)
+        result = {**out, "output_ids": ids}
+        if text is not None:
+            result["text"] = text
+        return result

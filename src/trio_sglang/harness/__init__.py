@@ -1,0 +1,23 @@
+"""A GPU-free SGLang harness: the real TokenizerManager against a stand-in scheduler.
+
+Needs the ``sglang`` extra (SGLang's CPU-importable parts). The real
+TokenizerManager runs in its own process (it kills its process tree on
+errors), beside a stand-in scheduler process that speaks SGLang's ZMQ
+protocol with SGLang's own message classes, and a tiny model built locally
+with no hub access. ``open_sglang_harness`` starts and stops all of it; the
+same ``Scenario`` runs on the SimEngine with ``observe_on_sim``, so the two
+can be compared.
+"""
+
+from ._harness import SGLangHarness, open_sglang_harness
+from ._scenarios import Observation, Scenario, observe_on_sim
+from ._tiny_model import build_tiny_model
+
+__all__ = [
+    "Observation",
+    "SGLangHarness",
+    "Scenario",
+    "build_tiny_model",
+    "observe_on_sim",
+    "open_sglang_harness",
+]

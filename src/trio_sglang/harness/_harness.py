@@ -1,0 +1,115 @@
+"""``open_sglang_harness``: the real TokenizerManager and a stand-in scheduler, no GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ._protocol import ANSWER
+from ._scenarios import Observation, Scenario
+
+__all__ = ["SGLangHarness", "open_sglang_harness"]
+
+
+class SGLangHarness:
+    """A running harness: send it scenarios, get back what happened."""
+
+    def __init__(self, process: trio.Process, lines: _Lines, capabilities: dict[str, Any]) -> None:
+        self._process = process
+        self._lines = lines
+        #: The worker's capabilities over the real TokenizerManager.
+        self.capabilities = capabilities
+
+    async def run(self, scenario: Scenario) -> Observation:
+        """Run one scenario in the host process (bound it with a cancel scope)."""
+        await self._send({"op": "run", "scenario": scenario.to_json()})
+        answer = await self._lines.answer()
+        if "error" in answer:
+            raise RuntimeError(f"scenario {scenario.name!r} failed in the host: {answer['error']}")
+        return Observation(**answer["observation"])
+
+    async def _send(self, command: dict[str, Any]) -> None:
+        assert self._process.stdin is not None
+        await self._process.stdin.send_all(json.dumps(command).encode() + b"\n")
+
+
+class _Lines:
+    """The host's answers: its stdout lines that carry the answer prefix."""
+
+    def __init__(self, process: trio.Process) -> None:
+        assert process.stdout is not None
+        self._stdout = process.stdout
+        self._buffer = b""
+
+    async def answer(self) -> dict[str, Any]:
+        while True:
+            line = await self._line()
+            if line.startswith(ANSWER):
+                data: dict[str, Any] = json.loads(line[len(ANSWER) :])
+                return data
+
+    async def _line(self) -> str:
+        while b"\n" not in self._buffer:
+            chunk = await self._stdout.receive_some()
+            if not chunk:
+                raise RuntimeError("the harness host exited")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+
+@asynccontextmanager
+async def open_sglang_harness(
+    *,
+    workdir: Path | None = None,
+    first_token_delay: float = 0.2,
+    token_interval: float = 0.05,
+    start_timeout: float = 300.0,
+) -> AsyncIterator[SGLangHarness]:
+    """Start the host process (real TokenizerManager, stand-in scheduler) and stop it after.
+
+    Needs the ``sglang`` extra (CPU is enough). ``workdir`` keeps the tiny
+    model between runs; a temporary directory is used otherwise. The
+    scheduler's first output comes ``first_token_delay`` seconds after a
+    request reaches it, then one token every ``token_interval`` seconds.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        where = Path(scratch) if workdir is None else workdir
+        where.mkdir(parents=True, exist_ok=True)
+        process = await trio.lowlevel.open_process(
+            [
+                sys.executable,
+                "-m",
+                "trio_sglang.harness._host",
+                "--workdir",
+                str(where),
+                "--first-token-delay",
+                str(first_token_delay),
+                "--token-interval",
+                str(token_interval),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        try:
+            lines = _Lines(process)
+            with trio.fail_after(start_timeout):
+                ready = await lines.answer()
+            harness = SGLangHarness(process, lines, ready["capabilities"])
+            yield harness
+            await harness._send({"op": "quit"})
+            with trio.move_on_after(20, shield=True):
+                await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with trio.move_on_after(5, shield=True):
+                    await process.wait()

@@ -1,0 +1,157 @@
+"""The process that hosts a real SGLang ``TokenizerManager`` for the harness.
+
+Run by ``open_sglang_harness``, never imported by a test runner: SGLang's
+TokenizerManager kills its whole process tree when its receive loop fails.
+It builds the tiny model, builds the TokenizerManager the way
+``sglang.Engine`` does (without the GPU parts), starts the stand-in scheduler
+as its child, opens one worker over ``SGLangEngine``, and then answers
+scenario requests read as JSON lines on stdin with JSON lines on stdout
+(prefixed, so that stray prints cannot be mistaken for answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .._policy import AbortPolicy
+from .._sglang_engine import SGLangEngine
+from .._worker import open_worker
+from ._protocol import ANSWER
+from ._scenarios import RidRecorder, Scenario, SchedulerEvent, run_scenario
+from ._tiny_model import build_tiny_model
+
+
+def _tokenizer_manager(model: Path) -> tuple[Any, Any]:
+    """A TokenizerManager built as ``sglang.Engine`` builds one, and its IPC names."""
+    from sglang.srt.entrypoints import engine as sglang_engine
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    server_args = ServerArgs(
+        model_path=str(model),
+        device="cpu",
+        skip_tokenizer_init=False,
+        incremental_streaming_output=True,
+        log_level="warning",
+    )
+    server_args.resolve_once()
+    sglang_engine._set_envs_and_config(server_args)
+    server_args.check_server_args()
+    sglang_engine.resolve_auto_parsers(server_args)
+    publish(server_args, role="tokenizer")
+    port_args = PortArgs.init_new(server_args)
+    return TokenizerManager(server_args, port_args), port_args
+
+
+def _scheduler_events(log: Path, since: os.stat_result) -> list[SchedulerEvent]:
+    """What the scheduler logged after ``since`` (the log's size then)."""
+    with log.open("rb") as f:
+        f.seek(since.st_size)
+        lines = f.read().splitlines()
+    events = [json.loads(line) for line in lines if line.strip()]
+    return [(e["t"], e["kind"], e["rid"]) for e in events]
+
+
+def _wait_until_ready(scheduler: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
+    """Until the scheduler has connected (it logs "ready"): a request sent before is lost."""
+    deadline = time.monotonic() + timeout
+    while b'"ready"' not in log.read_bytes():
+        if scheduler.poll() is not None:
+            raise RuntimeError(f"the stand-in scheduler exited with {scheduler.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the stand-in scheduler did not start")
+        time.sleep(0.05)
+
+
+def _slow_tokenizer(tm: Any, original: Callable[..., Awaitable[Any]], delay: float) -> None:
+    if delay <= 0:
+        tm._tokenize_one_request = original
+        return
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(delay)
+        return await original(*args, **kwargs)
+
+    tm._tokenize_one_request = slow
+
+
+def _answer(data: dict[str, Any]) -> None:
+    sys.stdout.write(ANSWER + json.dumps(data) + "\n")
+    sys.stdout.flush()
+
+
+async def _serve(tm: Any, log: Path) -> None:
+    recorder = RidRecorder(SGLangEngine(tokenizer_manager=tm))
+    original = tm._tokenize_one_request
+    async with open_worker(recorder, policy=AbortPolicy(shutdown_grace=5.0)) as worker:
+        _answer({"ready": True, "capabilities": worker.capabilities()})
+        while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
+            command = json.loads(line)
+            if command.get("op") == "quit":
+                break
+            scenario = Scenario.from_json(command["scenario"])
+            _slow_tokenizer(tm, original, scenario.tokenize_delay)
+            events = partial(_scheduler_events, log, await trio.Path(log).stat())
+            try:
+                seen = await run_scenario(worker, recorder, scenario, events)
+            except Exception as exc:
+                _answer({"error": f"{type(exc).__name__}: {exc}"})
+            else:
+                _answer({"observation": seen.to_json()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--first-token-delay", type=float, default=0.2)
+    parser.add_argument("--token-interval", type=float, default=0.05)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    model = build_tiny_model(args.workdir / "tiny-llama")
+    tm, port_args = _tokenizer_manager(model)
+    log = args.workdir / "scheduler.jsonl"
+    log.write_bytes(b"")
+    scheduler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trio_sglang.harness._scheduler",
+            "--input",
+            port_args.scheduler_input_ipc_name,
+            "--output",
+            port_args.tokenizer_ipc_name,
+            "--first-token-delay",
+            str(args.first_token_delay),
+            "--token-interval",
+            str(args.token_interval),
+            "--log",
+            str(log),
+        ]
+    )
+    try:
+        _wait_until_ready(scheduler, log)
+        trio.run(_serve, tm, log)
+    finally:
+        scheduler.terminate()
+        try:
+            scheduler.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            scheduler.kill()
+
+
+if __name__ == "__main__":
+    main()

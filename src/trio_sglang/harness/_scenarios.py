@@ -1,0 +1,258 @@
+"""Conformance scenarios: one definition, run on any engine, observed the same way.
+
+A scenario runs one request through ``open_worker`` (or, for the raw abort
+traps, straight on the engine) and returns an ``Observation`` that does not
+depend on timing or on random ids: what the scheduler received and did, per
+request in order of first appearance; how many requests stayed registered;
+and what the caller saw. The SimEngine reports the scheduler's side from its
+trace; the real TokenizerManager's stand-in scheduler from its log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import trio
+
+from .._context import RequestContext
+from .._engine import Engine, EngineStream, RequestPhase
+from .._request import OutputMode
+from .._worker import Worker
+
+__all__ = [
+    "CancelPhase",
+    "Observation",
+    "RidRecorder",
+    "Scenario",
+    "SchedulerEvent",
+    "run_scenario",
+]
+
+CancelPhase = Literal[
+    "before_registration", "tokenizing", "dispatched", "mid_stream", "after_finish"
+]
+RawTrap = Literal["abort_unknown_rid", "abort_twice", "abort_while_tokenizing"]
+#: What a scheduler logs: it received a request or an abort, applied or lost an abort.
+SchedulerEvent = tuple[float, str, str]  # (monotonic time, kind, rid)
+SCHEDULER_KINDS = ("request", "abort", "abort_applied", "abort_lost")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    request: dict[str, Any]
+    output: OutputMode = "tokens"
+    cancel: CancelPhase | None = None
+    #: Seconds the tokenizer takes (the real one is slowed down to match).
+    tokenize_delay: float = 0.0
+    #: Instead of a worker request: drive the engine's abort by hand.
+    trap: RawTrap | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Scenario:
+        return cls(**data)
+
+
+@dataclass
+class Observation:
+    #: Per request, in order of first appearance at the scheduler: its events.
+    scheduler: list[list[str]] = field(default_factory=list)
+    #: Requests the tokenizer side still held at the end.
+    registered_after: int = 0
+    #: Chunks the caller received, and their finish reasons in order.
+    chunks: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list)
+    #: Ids the caller saw (public ones only, if the lifecycle is right).
+    ids_seen: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def normalise(events: Iterable[SchedulerEvent]) -> list[list[str]]:
+    """Scheduler events grouped per rid, rids in order of first appearance."""
+    per_rid: dict[str, list[str]] = {}
+    for _, kind, rid in sorted(events, key=lambda e: e[0]):
+        if kind in SCHEDULER_KINDS:
+            per_rid.setdefault(rid, []).append(kind)
+    return list(per_rid.values())
+
+
+class RidRecorder:
+    """Passes through to an engine and remembers the rid of the last request.
+
+    ``worker.generate`` calls ``engine.generate`` with no checkpoint before
+    the block is entered, so right after entering, the last rid is ours.
+    Open the worker over the recorder: ``open_worker(RidRecorder(engine))``.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.last_rid: str | list[str] | None = None
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        return self.engine.running()
+
+    def features(self) -> Mapping[str, object]:
+        return self.engine.features()
+
+    def generate(self, request: Mapping[str, Any]) -> EngineStream:
+        self.last_rid = request["rid"]
+        return self.engine.generate(request)
+
+    def phase(self, rid: str) -> RequestPhase:
+        return self.engine.phase(rid)
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
+        return await self.engine.wait_phase_change(rid, phase)
+
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    def live_requests(self) -> int:
+        return self.engine.live_requests()
+
+
+async def run_scenario(
+    worker: Worker,
+    recorder: RidRecorder,
+    scenario: Scenario,
+    scheduler_events: Callable[[], list[SchedulerEvent]],
+    *,
+    settle: float = 0.3,
+) -> Observation:
+    """Run ``scenario`` on a worker opened over ``recorder``.
+
+    ``settle`` (seconds) lets aborts and echoes land before the engine is
+    observed.
+    """
+    seen = Observation()
+    if scenario.trap is not None:
+        await _run_trap(recorder.engine, scenario, seen)
+    else:
+        await _run_request(worker, recorder, scenario, seen)
+    await trio.sleep(settle)
+    seen.scheduler = normalise(scheduler_events())
+    seen.registered_after = recorder.live_requests()
+    return seen
+
+
+async def _run_request(
+    worker: Worker, recorder: RidRecorder, scenario: Scenario, seen: Observation
+) -> None:
+    ctx = RequestContext("conformance-ctx")
+    async with trio.open_nursery() as nursery:
+        async with worker.generate(scenario.request, ctx, output=scenario.output) as chunks:
+            if scenario.cancel == "before_registration":
+                ctx.kill()
+            elif scenario.cancel in ("tokenizing", "dispatched"):
+                rid = recorder.last_rid
+                assert isinstance(rid, str)
+                target = (
+                    RequestPhase.REGISTERED
+                    if scenario.cancel == "tokenizing"
+                    else RequestPhase.DISPATCHED
+                )
+                nursery.start_soon(_at_phase, recorder.engine, rid, target, ctx.kill)
+            async for chunk in chunks:
+                _note_chunk(seen, chunk, scenario.output)
+                if scenario.cancel == "mid_stream" and seen.chunks == 2:
+                    ctx.kill()
+            if scenario.cancel == "after_finish":
+                ctx.kill()
+        nursery.cancel_scope.cancel()
+
+
+async def _at_phase(
+    engine: Engine, rid: str, target: RequestPhase, action: Callable[[], None]
+) -> None:
+    """Run ``action`` as soon as ``rid`` reaches ``target`` (bounded)."""
+    with trio.fail_after(10):
+        phase = engine.phase(rid)
+        while phase is not target:
+            phase = await engine.wait_phase_change(rid, phase)
+    action()
+
+
+def _reason(value: object) -> str | None:
+    return str(value.get("type")) if isinstance(value, dict) else None
+
+
+def _note_chunk(seen: Observation, chunk: dict[str, Any], output: OutputMode) -> None:
+    seen.chunks += 1
+    if output == "native":
+        seen.finish_reasons.append(_reason(chunk["meta_info"]["finish_reason"]))
+        seen.ids_seen.append(chunk["meta_info"]["id"])
+    elif output == "text":
+        seen.finish_reasons.append(chunk["choices"][0]["finish_reason"])
+        seen.ids_seen.append(chunk["id"])
+    else:
+        seen.finish_reasons.append(chunk["finish_reason"])
+
+
+async def _run_trap(engine: Engine, scenario: Scenario, seen: Observation) -> None:
+    """The abort traps of SGLANG_FACTS.md, driven by hand (no lifecycle)."""
+    if scenario.trap == "abort_unknown_rid":
+        engine.abort("conformance-unknown-rid")
+        return
+    rid = "conformance-trap-" + "0" * 15
+    stream = engine.generate({**scenario.request, "rid": rid, "stream": True})
+    try:
+        async with trio.open_nursery() as nursery:
+            if scenario.trap == "abort_while_tokenizing":
+                aborted = RequestPhase.REGISTERED
+                nursery.start_soon(_at_phase, engine, rid, aborted, lambda: engine.abort(rid))
+            while True:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                seen.chunks += 1
+                seen.finish_reasons.append(_reason(out["meta_info"]["finish_reason"]))
+                if scenario.trap == "abort_twice" and seen.chunks == 1:
+                    engine.abort(rid)
+                    engine.abort(rid)
+    finally:
+        with trio.move_on_after(5, shield=True):
+            await stream.aclose()
+
+
+#: SimEngine trace kinds as the scheduler would log them.
+_SIM_TO_SCHEDULER = {
+    "dispatched": "request",
+    "abort_requested": "abort",
+    "abort_applied": "abort_applied",
+    "abort_lost": "abort_lost",
+}
+
+
+async def observe_on_sim(
+    scenario: Scenario, *, first_token_delay: float, token_interval: float
+) -> Observation:
+    """The scenario on a fresh ``SimEngine`` with the harness's timing."""
+    from .._sim_engine import SimEngine
+    from .._worker import open_worker
+
+    engine = SimEngine(
+        tokenize_delay=scenario.tokenize_delay,
+        dispatch_delay=0.0,
+        first_token_delay=first_token_delay,
+        token_interval=token_interval,
+    )
+    recorder = RidRecorder(engine)
+
+    def events() -> list[SchedulerEvent]:
+        return [
+            (e.time, _SIM_TO_SCHEDULER[e.kind], e.rid)
+            for e in engine.trace
+            if e.kind in _SIM_TO_SCHEDULER
+        ]
+
+    async with open_worker(recorder) as worker:
+        return await run_scenario(worker, recorder, scenario, events)
