@@ -1,4 +1,5 @@
-"""The one entry point: ``nox -s tests``, ``sglang``, ``lint``, ``typecheck``, ``bench``, ``serve``, ``demo``.
+"""The one entry point: ``nox -s`` ``tests``, ``sglang``, ``lint``, ``typecheck``, ``bench``,
+``serve``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -22,6 +23,20 @@ def tests(session: nox.Session) -> None:
     """The test suite (pytest-trio, MockClock; loopback only; no GPU, no SGLang)."""
     install(session, "test")
     session.run("pytest", "-m", "not sglang", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """The lifecycle's property tests at 10,000 examples (CI runs a fixed 1,250)."""
+    install(session, "test")
+    session.run(
+        "pytest",
+        "tests/test_fuzz_lifecycle.py",
+        "-q",
+        "--hypothesis-show-statistics",
+        *session.posargs,
+        env={"TRIO_SGLANG_FUZZ_EXAMPLES": "10000"},
+    )
 
 
 @nox.session

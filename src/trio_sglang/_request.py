@@ -122,7 +122,10 @@ class ParsedRequest:
 
     def engine_request(self, rids: tuple[str, ...]) -> dict[str, Any]:
         """The body for the engine: one minted rid, or one per prompt for a batch."""
-        rid: str | list[str] = list(rids) if len(rids) > 1 else rids[0]
+        # A batch of one is still a batch: SGLang names its child <rid>_0 unless given a list.
+        rid: str | list[str] = (
+            list(rids) if self.batch_size is not None and self.n == 1 else rids[0]
+        )
         return {**self.body, "rid": rid, "stream": True}
 
 

@@ -356,15 +356,12 @@ async def open_worker(
     policy = AbortPolicy() if policy is None else policy
     if not isinstance(policy, AbortPolicy):
         raise TypeError(f"policy must be an AbortPolicy, got {type(policy).__name__}")
-    async with engine.running():
-        worker: Worker | None = None
+    async with engine.running(), trio.open_nursery() as nursery:
+        worker = Worker(engine, policy, nursery, observer)
         try:
-            async with trio.open_nursery() as nursery:
-                worker = Worker(engine, policy, nursery, observer)
-                try:
-                    yield worker
-                finally:
-                    await worker._shutdown()
+            yield worker
         finally:
-            if worker is not None:
-                worker._nursery_closed = True
+            await worker._shutdown()
+            # From here on the nursery may close at any schedule point; a
+            # stream that ends later finds the worker closed.
+            worker._nursery_closed = True
