@@ -1,5 +1,5 @@
-"""The one entry point: ``nox -s`` ``tests``, ``sglang``, ``lint``, ``typecheck``, ``bench``,
-``serve``, ``demo``.
+"""The one entry point: ``nox -s tests``, ``sglang``, ``fuzz``, ``lint``, ``typecheck``,
+``bench``, ``serve``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -63,8 +63,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on src (settings in pyproject.toml)."""
-    install(session, "typecheck")
+    """mypy --strict on src and benchmarks (settings in pyproject.toml)."""
+    install(session, "typecheck", "serve", "bench")
     session.run("mypy", *session.posargs)
 
 

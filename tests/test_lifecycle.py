@@ -214,7 +214,7 @@ async def test_without_release_on_close_the_abort_follows_the_dispatch(
 
 
 async def test_shutdown_cancels_pending_cleanup_before_the_engine_closes(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     pending_at_close: list[int] = []
     engine = FaultyEngine(
@@ -233,6 +233,11 @@ async def test_shutdown_cancels_pending_cleanup_before_the_engine_closes(
         exit_started = trio.current_time()
     assert engine.closed_at == exit_started + policy.shutdown_grace
     assert pending_at_close == [0]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [
+        "100 engine-side cleanups were still running after the 1.0s shutdown grace "
+        "and were cancelled; the engine closes with them"
+    ]
 
 
 async def test_shutdown_is_immediate_when_nothing_is_pending(

@@ -170,6 +170,7 @@ class Worker:
         self._closing = False
         self._cancel_cleanups = False
         self._nursery_closed = False
+        self._cancelled_at_shutdown = 0
         self._quiet: trio.Event | None = None
 
     @property
@@ -300,12 +301,15 @@ class Worker:
         self._maybe_quiet()
 
     def _log_unfinished_cleanup(self, request: EngineRequest, scope: trio.CancelScope) -> None:
-        why = "cancelled at shutdown" if self._cancel_cleanups else "timed out"
+        if self._cancel_cleanups:
+            # One summary at worker exit, not a line per request in a burst.
+            self._cancelled_at_shutdown += 1
+            logger.debug("cleanup of request %s cancelled at shutdown", request.public_id)
+            return
         logger.warning(
-            "cleanup of request %s (rids %s) %s; the engine may still hold it",
+            "cleanup of request %s (rids %s) timed out; the engine may still hold it",
             request.public_id,
             request.unfinished(),
-            why,
         )
 
     async def _run_cleanup(self, request: EngineRequest) -> None:
@@ -356,12 +360,20 @@ async def open_worker(
     policy = AbortPolicy() if policy is None else policy
     if not isinstance(policy, AbortPolicy):
         raise TypeError(f"policy must be an AbortPolicy, got {type(policy).__name__}")
-    async with engine.running(), trio.open_nursery() as nursery:
-        worker = Worker(engine, policy, nursery, observer)
-        try:
-            yield worker
-        finally:
-            await worker._shutdown()
-            # From here on the nursery may close at any schedule point; a
-            # stream that ends later finds the worker closed.
-            worker._nursery_closed = True
+    async with engine.running():
+        async with trio.open_nursery() as nursery:
+            worker = Worker(engine, policy, nursery, observer)
+            try:
+                yield worker
+            finally:
+                await worker._shutdown()
+                # From here on the nursery may close at any schedule point; a
+                # stream that ends later finds the worker closed.
+                worker._nursery_closed = True
+        if worker._cancelled_at_shutdown:
+            logger.warning(
+                "%d engine-side cleanups were still running after the %ss shutdown grace "
+                "and were cancelled; the engine closes with them",
+                worker._cancelled_at_shutdown,
+                policy.shutdown_grace,
+            )

@@ -1,0 +1,421 @@
+"""The three cancellation strategies the benchmark compares, behind one small interface.
+
+Every approach opens a caller-side stream for one request and hands the
+benchmark a way to cancel it (``StreamRecord.cancel``), the way a disconnect
+callback would. What differs is what happens at the engine afterwards:
+
+- ``trio-sglang``: this project's lifecycle (``open_worker`` and
+  ``worker.generate``), cancelled with ``ctx.kill()``.
+- ``first-response``: the old Dynamo worker. The engine id is only learned
+  from the stream's first output, so no abort is ever sent before it.
+- ``poll-then-abort``: a model of Dynamo 1.6 (SGLANG_FACTS.md): poll the
+  registry with a growing backoff, wait a bounded time for dispatch, abort,
+  and retry the same rid when dispatch was not seen.
+
+The baselines use only the public ``Engine`` protocol (generate, phase,
+abort, closing the stream) and own every task they start in a nursery, with
+a bound on each wait: they are faithful models of asyncio code, not straw men
+with leaks of their own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import trio
+
+import trio_sglang as ts
+
+__all__ = [
+    "APPROACHES",
+    "Approach",
+    "ApproachFactory",
+    "RecordingEngine",
+    "StreamRecord",
+    "open_approach",
+]
+
+#: What the consumer iterates: chunks of whatever shape the approach yields.
+Chunks = AsyncIterator[object]
+
+#: How long a baseline waits for anything at all after a cancel (first output,
+#: registration): generous, because the old workers had no tighter bound.
+LONG_WAIT = 30.0
+#: Bound on closing an engine stream (a shielded cleanup step).
+CLOSE_BOUND = 1.0
+
+
+def _never_cancel() -> None:
+    raise RuntimeError("cancel() called before the stream was opened")
+
+
+@dataclass(slots=True, eq=False)
+class StreamRecord:
+    """One benchmarked stream: its schedule, and what was observed, in trio-clock seconds."""
+
+    #: Seconds after the stream started at which it is cancelled.
+    offset: float
+    #: Seconds after its wave was open at which the stream starts (first pull, or the
+    #: wait before it).
+    start_delay: float = 0.0
+    #: The engine rid (the benchmark's view; never shown to a caller).
+    rid: str = ""
+    #: Cancels the stream the way the caller's side would; set by the approach.
+    cancel: Callable[[], None] = _never_cancel
+    opened_at: float | None = None
+    started_at: float | None = None
+    cancel_at: float | None = None
+    closed_at: float | None = None
+    #: Chunks the consumer received before the cancel.
+    chunks: int = 0
+    #: Where the request was when it was cancelled (see ``observe_phase``).
+    observed_phase: str = ""
+
+
+class Approach(Protocol):
+    """A cancellation strategy bound to one running engine."""
+
+    def stream(
+        self, request: Mapping[str, Any], rec: StreamRecord
+    ) -> AbstractAsyncContextManager[Chunks]:
+        """Open one request's stream; set ``rec.rid`` and ``rec.cancel`` before yielding."""
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Tasks the approach still runs; once every stream closed, its engine-side cleanup."""
+        ...
+
+
+ApproachFactory = Callable[[ts.Engine], AbstractAsyncContextManager[Approach]]
+
+
+# -- trio-sglang ---------------------------------------------------------------
+
+
+class RecordingEngine:
+    """Delegates the ``Engine`` protocol and remembers the rid of the last ``generate``.
+
+    The benchmark must know each stream's engine rid to read the trace, and the
+    worker rightly never shows it. ``worker.generate`` calls
+    ``engine.generate`` synchronously while entering its block, with no
+    checkpoint between that call and the block's body, so right after the
+    ``async with`` the last recorded rid belongs to this stream.
+    """
+
+    def __init__(self, inner: ts.Engine) -> None:
+        self._inner = inner
+        self.last_rid: str | None = None
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        return self._inner.running()
+
+    def features(self) -> Mapping[str, object]:
+        return self._inner.features()
+
+    def generate(self, request: Mapping[str, Any]) -> ts.EngineStream:
+        self.last_rid = str(request["rid"])
+        return self._inner.generate(request)
+
+    def phase(self, rid: str) -> ts.RequestPhase:
+        return self._inner.phase(rid)
+
+    async def wait_phase_change(self, rid: str, phase: ts.RequestPhase) -> ts.RequestPhase:
+        return await self._inner.wait_phase_change(rid, phase)
+
+    def abort(self, rid: str) -> None:
+        self._inner.abort(rid)
+
+    def live_requests(self) -> int:
+        return self._inner.live_requests()
+
+
+class TrioSglang:
+    """This project's lifecycle: ``worker.generate`` and ``ctx.kill()``."""
+
+    def __init__(self, worker: ts.Worker, engine: RecordingEngine) -> None:
+        self._worker = worker
+        self._engine = engine
+        self._claimed: set[str] = set()
+
+    @property
+    def pending(self) -> int:
+        return self._worker.pending_cleanups
+
+    @asynccontextmanager
+    async def stream(self, request: Mapping[str, Any], rec: StreamRecord) -> AsyncIterator[Chunks]:
+        ctx = ts.RequestContext(f"bench-{len(self._claimed)}")
+        rec.cancel = ctx.kill
+        async with self._worker.generate(request, ctx, output="tokens") as chunks:
+            rid = self._engine.last_rid
+            if rid is None or rid in self._claimed:
+                # Guards the no-checkpoint assumption (see RecordingEngine).
+                raise RuntimeError("could not tell this stream's engine rid")
+            self._claimed.add(rid)
+            rec.rid = rid
+            yield chunks
+
+
+@asynccontextmanager
+async def _open_trio_sglang(engine: ts.Engine) -> AsyncIterator[Approach]:
+    recording = RecordingEngine(engine)
+    async with ts.open_worker(recording) as worker:
+        yield TrioSglang(worker, recording)
+
+
+# -- the baselines -----------------------------------------------------------------
+
+
+class _Handle:
+    """One baseline stream: the engine stream, owned by its pump task alone."""
+
+    __slots__ = (
+        "aborted",
+        "ended",
+        "engine_id",
+        "gone",
+        "pump_scope",
+        "rid",
+        "stream",
+        "wake",
+        "wanted",
+    )
+
+    def __init__(self, rid: str, stream: ts.EngineStream) -> None:
+        self.rid = rid
+        self.stream = stream
+        #: The id learned from the first output (what the old worker could abort by).
+        self.engine_id: str | None = None
+        #: An abort was sent by this handle's strategy.
+        self.aborted = False
+        #: The engine stream ran to its end: nothing to clean up.
+        self.ended = False
+        #: The consumer asked for its first chunk: the engine stream may start.
+        self.wanted = False
+        #: The consumer left.
+        self.gone = False
+        #: Set when either of the two above changes.
+        self.wake = trio.Event()
+        #: The pump's scope; its deadline is set when the consumer leaves.
+        self.pump_scope = trio.CancelScope()
+
+
+class _PumpedChunks:
+    """The consumer's side of a baseline stream: outputs handed over by the pump."""
+
+    def __init__(self, handle: _Handle, receive: trio.MemoryReceiveChannel[dict[str, Any]]):
+        self._handle = handle
+        self._receive = receive
+
+    def __aiter__(self) -> _PumpedChunks:
+        return self
+
+    async def __anext__(self) -> object:
+        if not self._handle.wanted:
+            self._handle.wanted = True
+            self._handle.wake.set()
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+class _Baseline:
+    """What both baselines share: the asyncio worker's shape, modelled in trio.
+
+    In the asyncio workers the engine stream is iterated by the handler, which
+    the frontend pulls. When the client goes away the frontend stops pulling:
+    the handler is left parked, and no ``CancelledError`` reaches SGLang's
+    generator (which would run its release path). To model that, a pump task
+    owns the engine stream and hands outputs to the consumer over a
+    zero-capacity channel, so the consumer can leave at once without touching
+    the engine stream; what happens next is each baseline's own strategy. A
+    stream the consumer never pulled is never started, as in the handler.
+    """
+
+    #: How long the pump may go on after the consumer left.
+    pump_bound_after_leave: float = LONG_WAIT
+
+    def __init__(self, engine: ts.Engine, nursery: trio.Nursery) -> None:
+        self._engine = engine
+        self._nursery = nursery
+        self._pending = 0
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @asynccontextmanager
+    async def stream(self, request: Mapping[str, Any], rec: StreamRecord) -> AsyncIterator[Chunks]:
+        rid = uuid.uuid4().hex
+        rec.rid = rid
+        handle = _Handle(rid, self._engine.generate({**request, "rid": rid, "stream": True}))
+        send, receive = trio.open_memory_channel[dict[str, Any]](0)
+        self._spawn(partial(self._pump, handle, send))
+        consumer_scope = trio.CancelScope()
+        rec.cancel = consumer_scope.cancel
+        try:
+            with consumer_scope:
+                yield _PumpedChunks(handle, receive)
+        finally:
+            receive.close()
+            handle.gone = True
+            handle.wake.set()
+            handle.pump_scope.deadline = trio.current_time() + self.pump_bound_after_leave
+            if not handle.ended:
+                self._consumer_left(handle)
+
+    def _spawn(self, task: Callable[[], Awaitable[None]]) -> None:
+        """Start a detached task that ``pending`` counts until it ends."""
+        self._pending += 1
+
+        async def counted() -> None:
+            try:
+                await task()
+            finally:
+                self._pending -= 1
+
+        self._nursery.start_soon(counted)
+
+    async def _pump(self, handle: _Handle, send: trio.MemorySendChannel[dict[str, Any]]) -> None:
+        try:
+            with handle.pump_scope:
+                await handle.wake.wait()
+                if handle.wanted:
+                    await self._pump_outputs(handle, send)
+        finally:
+            send.close()
+            with trio.move_on_after(CLOSE_BOUND, shield=True):
+                await handle.stream.aclose()
+
+    async def _pump_outputs(
+        self, handle: _Handle, send: trio.MemorySendChannel[dict[str, Any]]
+    ) -> None:
+        async for out in handle.stream:
+            if handle.engine_id is None:
+                handle.engine_id = str(out["meta_info"]["id"])
+            if not handle.gone:
+                try:
+                    await send.send(out)
+                    continue
+                except trio.BrokenResourceError:
+                    pass  # the consumer left while this output was on its way
+            if self._done_after_output(handle):
+                return
+        handle.ended = True
+
+    def _consumer_left(self, handle: _Handle) -> None:
+        """React to the consumer leaving (synchronously, from its exit path)."""
+        raise NotImplementedError
+
+    def _done_after_output(self, handle: _Handle) -> bool:
+        """Called for each output pulled after the consumer left; True ends the pump."""
+        raise NotImplementedError
+
+
+class FirstResponse(_Baseline):
+    """The old Dynamo worker: abort by the id the first output revealed, never earlier.
+
+    If the id is already known when the consumer leaves, the abort goes out at
+    once; otherwise the pump (the detached task) keeps pulling until the first
+    output arrives, aborts that id and closes the stream, within ``LONG_WAIT``.
+    """
+
+    def _consumer_left(self, handle: _Handle) -> None:
+        if handle.engine_id is not None:
+            self._abort_once(handle)
+
+    def _done_after_output(self, handle: _Handle) -> bool:
+        self._abort_once(handle)
+        return True
+
+    def _abort_once(self, handle: _Handle) -> None:
+        if not handle.aborted and handle.engine_id is not None:
+            handle.aborted = True
+            self._engine.abort(handle.engine_id)
+
+
+class PollThenAbort(_Baseline):
+    """A model of Dynamo 1.6's ordered abort, with its draining and retries.
+
+    After a stop the stream is drained for at most ``DRAIN_BOUND`` and then
+    closed (closing runs SGLang's release path); a detached task polls the
+    registry (backoff 1 ms doubling to 50 ms, within 30 s), polls for the
+    dispatch timestamp within ``DISPATCH_WAIT`` (same backoff), aborts, and,
+    when dispatch was not seen, retries the same rid up to ``RETRIES`` times
+    (backoff 50 ms doubling to 1 s) while the rid is still registered. Those
+    retries are exactly what SGLang's ``abort_sent`` flag drops.
+    """
+
+    DRAIN_BOUND = 1.0
+    REGISTRATION_WAIT = 30.0
+    DISPATCH_WAIT = 0.25
+    POLL_FIRST, POLL_MAX = 0.001, 0.05
+    RETRIES = 8
+    RETRY_FIRST, RETRY_MAX = 0.05, 1.0
+
+    pump_bound_after_leave = DRAIN_BOUND
+
+    def _consumer_left(self, handle: _Handle) -> None:
+        if handle.wanted:  # the monitor task lives in the handler: only once it ran
+            self._spawn(partial(self._abort, handle.rid))
+
+    def _done_after_output(self, handle: _Handle) -> bool:
+        return False  # keep draining until the stream ends or the drain bound
+
+    async def _abort(self, rid: str) -> None:
+        engine = self._engine
+        absent, registered = ts.RequestPhase.ABSENT, ts.RequestPhase.REGISTERED
+        if not await self._poll_while(rid, absent, self.REGISTRATION_WAIT):
+            return  # never registered: nothing to abort
+        dispatched = await self._poll_while(rid, registered, self.DISPATCH_WAIT)
+        if engine.phase(rid) is absent:
+            return  # already released or finished
+        engine.abort(rid)
+        if dispatched:
+            return
+        delay = self.RETRY_FIRST
+        for _ in range(self.RETRIES):
+            await trio.sleep(delay)
+            delay = min(2 * delay, self.RETRY_MAX)
+            if engine.phase(rid) is absent:
+                return
+            engine.abort(rid)
+
+    async def _poll_while(self, rid: str, phase: ts.RequestPhase, bound: float) -> bool:
+        """Poll with backoff until ``rid`` leaves ``phase``; False if not within ``bound``."""
+        delay = self.POLL_FIRST
+        with trio.move_on_after(bound):
+            while self._engine.phase(rid) is phase:
+                await trio.sleep(delay)
+                delay = min(2 * delay, self.POLL_MAX)
+            return True
+        return False
+
+
+def _baseline_factory(kind: type[_Baseline]) -> ApproachFactory:
+    @asynccontextmanager
+    async def open_baseline(engine: ts.Engine) -> AsyncIterator[Approach]:
+        async with engine.running(), trio.open_nursery() as nursery:
+            yield kind(engine, nursery)
+            # Whatever the settle left running is cut off with the cell.
+            nursery.cancel_scope.cancel()
+
+    return open_baseline
+
+
+APPROACHES: dict[str, ApproachFactory] = {
+    "trio-sglang": _open_trio_sglang,
+    "first-response": _baseline_factory(FirstResponse),
+    "poll-then-abort": _baseline_factory(PollThenAbort),
+}
+
+
+def open_approach(name: str, engine: ts.Engine) -> AbstractAsyncContextManager[Approach]:
+    """Run ``engine`` with the named approach on top, for the life of the block."""
+    return APPROACHES[name](engine)

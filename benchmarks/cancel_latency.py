@@ -1,0 +1,303 @@
+"""Cancel-latency benchmark: trio-sglang's lifecycle against the anchors' strategies.
+
+    python benchmarks/cancel_latency.py [--quick] [--json PATH] [--plot PATH]
+        [--concurrency 1,100,1000,10000] [--phases tokenizing,...]
+
+Everything runs in this one process, in real time on trio's normal clock,
+each measurement on a fresh ``SimEngine`` with the same engine settings and
+the same cancel schedule for every approach (see docs/benchmarks.md for what
+each number means and the latest results). A progress line goes to stderr,
+the tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import trio_sglang as ts
+from _approaches import APPROACHES
+from _cells import CellPlan, run_at_once, run_cell
+from _overhead import memory_per_request, throughput_ratio
+from _phases import PHASES
+from _report import Progress, Report, format_report, write_json
+from _shutdown import shutdown_time
+
+__all__ = ["Config", "main", "run_benchmark"]
+
+FULL_CONCURRENCY = (1, 100, 1000, 10_000)
+QUICK_CONCURRENCY = (1, 100)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One run's plan. Zero for a count skips that part."""
+
+    #: (phase, concurrency) cells; each runs for every approach in ``approaches``.
+    grid: tuple[tuple[str, int], ...]
+    approaches: tuple[str, ...] = tuple(APPROACHES)
+    #: Baselines run only up to this concurrency (they are not what is being proven at 10,000).
+    baseline_max_concurrency: int = 1000
+    #: Small concurrencies repeat their wave until a cell has at least this many cancels.
+    min_cancels: int = 20
+    arrival_rate: float = 1000.0
+    seed: int = 0
+    settle_timeout: float = 10.0
+    at_once: int = 10_000
+    at_once_approaches: tuple[str, ...] = tuple(APPROACHES)
+    #: Also run trio-sglang's at-once scenario with the collector frozen.
+    at_once_gc_frozen: bool = True
+    memory_streams: int = 10_000
+    throughput_rounds: int = 5
+    throughput_streams: int = 100
+    throughput_tokens: int = 1000
+    shutdown_pending: int = 1000
+
+    def cells(self) -> list[CellPlan]:
+        plans = []
+        for phase, concurrency in self.grid:
+            for approach in self.approaches:
+                if approach != "trio-sglang" and concurrency > self.baseline_max_concurrency:
+                    continue
+                plans.append(
+                    CellPlan(
+                        approach,
+                        PHASES[phase],
+                        concurrency,
+                        waves=max(1, math.ceil(self.min_cancels / concurrency)),
+                        seed=self.seed,
+                        arrival_rate=self.arrival_rate,
+                        settle_timeout=self.settle_timeout,
+                    )
+                )
+        return plans
+
+    def at_once_runs(self) -> list[tuple[str, bool]]:
+        if not self.at_once:
+            return []
+        runs = [(approach, False) for approach in self.at_once_approaches]
+        if self.at_once_gc_frozen and "trio-sglang" in self.at_once_approaches:
+            runs.append(("trio-sglang", True))
+        return runs
+
+    def steps(self) -> int:
+        extras = bool(self.throughput_rounds) + bool(self.memory_streams)
+        extras += bool(self.shutdown_pending)
+        return len(self.cells()) + len(self.at_once_runs()) + extras
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["phases"] = {name: PHASES[name].knobs() for name, _ in self.grid}
+        data["phase_windows"] = {name: PHASES[name].window for name, _ in self.grid}
+        return data
+
+
+def grid(phases: Sequence[str], concurrency: Sequence[int]) -> tuple[tuple[str, int], ...]:
+    return tuple((phase, size) for phase in phases for size in concurrency)
+
+
+async def run_benchmark(config: Config, progress: Progress | None = None) -> Report:
+    """Run everything the config asks for, in order: overhead, cells, at-once, shutdown."""
+    steps = Progress(config.steps(), stream=io.StringIO()) if progress is None else progress
+    report = Report(config=config.to_json())
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    if config.throughput_rounds:
+        steps.start("throughput: worker.generate vs the engine directly")
+        report.throughput = await throughput_ratio(
+            config.throughput_rounds, config.throughput_streams, config.throughput_tokens
+        )
+        steps.step_done()
+    if config.memory_streams:
+        steps.start(f"memory: {config.memory_streams:,} parked streams, traced")
+        report.memory = await memory_per_request(config.memory_streams)
+        steps.step_done()
+    for plan in config.cells():
+        steps.start(f"{plan.phase.name} x {plan.concurrency:,}: {plan.approach}")
+        report.results.append(await run_cell(plan))
+        steps.step_done()
+    for approach, frozen in config.at_once_runs():
+        label = " (gc frozen)" if frozen else ""
+        steps.start(f"{config.at_once:,} streams cancelled at once: {approach}{label}")
+        report.at_once.append(await run_at_once(approach, config.at_once, freeze_gc=frozen))
+        steps.step_done()
+    if config.shutdown_pending:
+        steps.start(f"shutdown with {config.shutdown_pending:,} pending cleanups")
+        report.shutdown = await shutdown_time(config.shutdown_pending)
+        steps.step_done()
+    report.runtime_s = time.perf_counter() - started
+    report.load_average = (load_before[0], os.getloadavg()[0])
+    return report
+
+
+# -- the command line ---------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError("every concurrency must be >= 1")
+    return values
+
+
+def _names(known: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(known)}; got {text!r}")
+        return names
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cancel_latency.py",
+        description="Cancel latency of trio-sglang vs a first-response and a poll-then-abort "
+        "worker, on the SimEngine, in real time.",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a subset that finishes in under a minute: 1 and 100 streams, all phases, "
+        "10,000 at once for trio-sglang only, smaller overhead runs",
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG (bench extra)")
+    parser.add_argument("--concurrency", type=_int_list, metavar="N,N,...")
+    parser.add_argument("--phases", type=_names(list(PHASES)), metavar="NAME,...")
+    parser.add_argument("--approaches", type=_names(list(APPROACHES)), metavar="NAME,...")
+    parser.add_argument(
+        "--baseline-max-concurrency",
+        type=int,
+        default=1000,
+        help="run the baselines only up to this many streams (default 1000)",
+    )
+    parser.add_argument("--at-once", type=int, metavar="N", help="0 skips it (default 10000)")
+    parser.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=1000.0,
+        help="streams per second at which a wave's open streams start (default 1000)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    phases = args.phases or tuple(PHASES)
+    approaches = args.approaches or tuple(APPROACHES)
+    common: dict[str, Any] = {
+        "approaches": approaches,
+        "baseline_max_concurrency": args.baseline_max_concurrency,
+        "arrival_rate": args.arrival_rate,
+        "seed": args.seed,
+    }
+    if args.quick:
+        common |= {
+            "min_cancels": 5,
+            "at_once_approaches": ("trio-sglang",),
+            "at_once_gc_frozen": False,
+            "memory_streams": 1000,
+            "throughput_rounds": 2,
+            "throughput_tokens": 500,
+        }
+    else:
+        common["at_once_approaches"] = approaches
+    if args.at_once is not None:
+        common["at_once"] = args.at_once
+    concurrency = args.concurrency or (QUICK_CONCURRENCY if args.quick else FULL_CONCURRENCY)
+    return Config(grid=grid(phases, concurrency), **common)
+
+
+def machine() -> dict[str, Any]:
+    memory = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            kib = int(meminfo.readline().split()[1])
+        memory = f"{kib / 2**20:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "memory": memory,
+        "trio": trio.__version__,
+        "trio_sglang": ts.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+class _LogCounter(logging.Handler):
+    """Counts the worker's log records by message template instead of printing them.
+
+    A burst of 10,000 cancels can make the worker log one warning per request;
+    printed, they would drown the table (and the printing would slow the run).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: Counter[str] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.counts[f"{record.levelname}: {record.msg}"] += 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    if args.plot is not None:
+        from _plot import MissingPlotDependency, require_matplotlib
+
+        try:
+            require_matplotlib()  # fail now, not after the run
+        except MissingPlotDependency as exc:
+            print(f"cancel_latency.py: error: {exc}", file=sys.stderr)
+            return 2
+    counter = _LogCounter()
+    worker_log = logging.getLogger("trio_sglang")
+    worker_log.addHandler(counter)
+    worker_log.propagate = False
+    progress = Progress(config.steps())
+    try:
+        report = trio.run(run_benchmark, config, progress)
+    finally:
+        worker_log.removeHandler(counter)
+        worker_log.propagate = True
+    progress.finish()
+    report.worker_log = dict(counter.counts)
+    print(format_report(report))
+    if args.json is not None:
+        write_json(report, args.json, machine())
+        print(f"\nJSON: {args.json}")
+    if args.plot is not None:
+        from _plot import plot
+
+        plot(report.results + report.at_once, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

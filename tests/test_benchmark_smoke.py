@@ -1,0 +1,126 @@
+"""The cancel-latency benchmark's core, on a tiny config: it runs, its output has the
+documented shape, and it tells the approaches apart the way SGLang's semantics say it must.
+
+No wall-clock thresholds: only counts and structure. The one timing the asserts lean on
+is the slow-tokenization phase's own margin (a 1 s tokenization against poll-then-abort's
+0.25 s dispatch wait, cancels at most 0.5 s in), which is hundreds of milliseconds wide.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import trio
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+GRID = (("before_first_token", 1), ("slow_tokenization", 10))
+APPROACHES = ("trio-sglang", "first-response", "poll-then-abort")
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import cancel_latency
+
+        yield cancel_latency
+
+
+@pytest.fixture(scope="module")
+def report(bench: ModuleType) -> Any:
+    """One tiny run (a few seconds, real time), shared by the tests below."""
+    config = bench.Config(
+        grid=GRID,
+        min_cancels=1,
+        settle_timeout=0.5,
+        at_once=20,
+        at_once_approaches=("trio-sglang",),
+        at_once_gc_frozen=False,
+        memory_streams=20,
+        throughput_rounds=1,
+        throughput_streams=4,
+        throughput_tokens=50,
+        shutdown_pending=20,
+    )
+    return trio.run(bench.run_benchmark, config)
+
+
+def by_cell(data: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    return {(r["approach"], r["phase"], r["concurrency"]): r for r in data["results"]}
+
+
+def test_tiny_run_has_the_documented_shape(report: Any) -> None:
+    data = json.loads(json.dumps(report.to_json({"python": "test"})))
+    cells = by_cell(data)
+    assert set(cells) == {(a, p, c) for a in APPROACHES for p, c in GRID}
+    for cell in data["results"] + data["at_once"]:
+        assert cell["cancels"] == cell["concurrency"]
+        for key in ("stream_close_ms", "abort_delay_ms", "wasted_tokens"):
+            assert set(cell[key]) == {"p50", "p99", "max"}
+        assert cell["stream_close_ms"]["max"] is not None  # every caller's stream closed
+        assert 0 <= cell["off_phase"] <= cell["cancels"]
+    assert data["throughput_ratio"] > 0
+    assert data["memory"]["bytes_per_request"] > 0
+    assert data["shutdown"]["pending_cleanups"] == 20
+    assert [cell["approach"] for cell in data["at_once"]] == ["trio-sglang"]
+    assert len(data["targets"]) == 8
+    assert all(set(t) == {"what", "target", "measured", "met"} for t in data["targets"])
+
+
+def test_trio_sglang_loses_and_leaks_nothing(report: Any) -> None:
+    ours = [c for c in report.results + report.at_once if c.approach == "trio-sglang"]
+    assert ours
+    for cell in ours:
+        assert (cell.aborts_lost, cell.leaked, cell.unstopped) == (0, 0, 0), cell.phase
+        assert max(cell.wasted_tokens) == 0
+
+
+def test_baselines_show_their_gaps(report: Any) -> None:
+    cells = by_cell(report.to_json({}))
+    polled = cells["poll-then-abort", "slow_tokenization", 10]
+    # The abort went out before dispatch: the scheduler lost it, abort_sent
+    # dropped every retry, and the request ran on.
+    assert polled["aborts_lost"] > 0
+    assert polled["leaked"] > 0
+    assert polled["abort_delay_ms"]["max"] is None  # never stopped
+    first = cells["first-response", "slow_tokenization", 10]
+    # Never an abort before the first output: nothing lost, but the first token is wasted.
+    assert (first["aborts_lost"], first["leaked"]) == (0, 0)
+    assert first["wasted_tokens"]["max"] >= 1
+
+
+def test_report_renders(bench: ModuleType, report: Any) -> None:
+    import _report
+
+    text = _report.format_report(report)
+    for name in APPROACHES:
+        assert name in text
+    assert "SPEC targets:" in text
+
+
+def test_command_line(bench: ModuleType) -> None:
+    parser = bench.build_parser()
+    quick = bench.config_from_args(parser.parse_args(["--quick"]))
+    assert {size for _, size in quick.grid} == {1, 100}
+    assert len(quick.grid) == 10
+    chosen = bench.config_from_args(
+        parser.parse_args(["--phases", "mid_stream", "--concurrency", "1,1000", "--at-once", "0"])
+    )
+    assert chosen.grid == (("mid_stream", 1), ("mid_stream", 1000))
+    assert chosen.at_once_runs() == []
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--phases", "no_such_phase"])
+
+
+def test_plot(bench: ModuleType, report: Any, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import _plot
+
+    path = tmp_path / "latency.png"
+    _plot.plot(report.results + report.at_once, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
