@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import io
+import json
 import logging
 import math
 import os
@@ -201,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="streams per second at which a wave's open streams start (default 1000)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine",
+        choices=["sim", "sglang-harness"],
+        default="sim",
+        help="sglang-harness: the smaller sweep on the real TokenizerManager (sglang extra)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="cancels per phase with --engine sglang-harness"
+    )
     return parser
 
 
@@ -266,6 +277,8 @@ class _LogCounter(logging.Handler):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.engine == "sglang-harness":
+        return harness_main(args)
     config = config_from_args(args)
     if args.plot is not None:
         from _plot import MissingPlotDependency, require_matplotlib
@@ -296,6 +309,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         plot(report.results + report.at_once, args.plot)
         print(f"plot: {args.plot}")
+    return 0
+
+
+def harness_main(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("sglang") is None:
+        print(
+            "cancel_latency.py: error: --engine sglang-harness needs SGLang "
+            "(the environment `nox -s sglang` builds)",
+            file=sys.stderr,
+        )
+        return 2
+    from _harness_sweep import format_harness, run_harness_sweep
+
+    rows = trio.run(run_harness_sweep, 5 if args.quick else args.repeats)
+    print(format_harness(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"results": rows, "machine": machine()}, indent=2))
+        print(f"\nJSON: {args.json}")
     return 0
 
 

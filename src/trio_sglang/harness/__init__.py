@@ -10,10 +10,11 @@ can be compared.
 """
 
 from ._harness import SGLangHarness, open_sglang_harness
-from ._scenarios import Observation, Scenario, observe_on_sim
+from ._scenarios import CancelPhase, Observation, Scenario, observe_on_sim
 from ._tiny_model import build_tiny_model
 
 __all__ = [
+    "CancelPhase",
     "Observation",
     "SGLangHarness",
     "Scenario",

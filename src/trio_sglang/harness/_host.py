@@ -106,7 +106,7 @@ async def _serve(tm: Any, log: Path) -> None:
             _slow_tokenizer(tm, original, scenario.tokenize_delay)
             events = partial(_scheduler_events, log, await trio.Path(log).stat())
             try:
-                seen = await run_scenario(worker, recorder, scenario, events)
+                seen = await run_scenario(worker, recorder, scenario, events, clock=time.monotonic)
             except Exception as exc:
                 _answer({"error": f"{type(exc).__name__}: {exc}"})
             else:

@@ -70,6 +70,13 @@ class Observation:
     finish_reasons: list[str | None] = field(default_factory=list)
     #: Ids the caller saw (public ones only, if the lifecycle is right).
     ids_seen: list[str] = field(default_factory=list)
+    #: Timing, for benchmarks (seconds on the scenario's clock; None if not
+    #: cancelled): the cancel to the caller's block closing; the later of the
+    #: cancel and the dispatch to the scheduler's abort (None when the request
+    #: never reached it); tokens decoded after the cancel.
+    stream_close: float | None = None
+    abort_delay: float | None = None
+    tokens_after_cancel: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,31 +133,62 @@ async def run_scenario(
     scheduler_events: Callable[[], list[SchedulerEvent]],
     *,
     settle: float = 0.3,
+    clock: Callable[[], float] = trio.current_time,
 ) -> Observation:
     """Run ``scenario`` on a worker opened over ``recorder``.
 
     ``settle`` (seconds) lets aborts and echoes land before the engine is
-    observed.
+    observed; ``clock`` must be the clock the scheduler's events are stamped
+    with.
     """
     seen = Observation()
+    cancelled_at: float | None = None
     if scenario.trap is not None:
         await _run_trap(recorder.engine, scenario, seen)
     else:
-        await _run_request(worker, recorder, scenario, seen)
+        cancelled_at = await _run_request(worker, recorder, scenario, seen, clock)
     await trio.sleep(settle)
-    seen.scheduler = normalise(scheduler_events())
+    events = scheduler_events()
+    seen.scheduler = normalise(events)
     seen.registered_after = recorder.live_requests()
+    if cancelled_at is not None:
+        _time_the_cancel(seen, events, cancelled_at)
     return seen
 
 
+def _time_the_cancel(seen: Observation, events: list[SchedulerEvent], cancelled_at: float) -> None:
+    seen.tokens_after_cancel = sum(
+        1 for t, kind, _ in events if kind == "token" and t > cancelled_at
+    )
+    requests = [(t, rid) for t, kind, rid in events if kind == "request"]
+    if len(requests) != 1:
+        return  # released before dispatch, or several children: no single delay
+    dispatched, rid = requests[0]
+    applied = [t for t, kind, r in events if kind == "abort_applied" and r == rid]
+    if applied:
+        seen.abort_delay = applied[0] - max(cancelled_at, dispatched)
+
+
 async def _run_request(
-    worker: Worker, recorder: RidRecorder, scenario: Scenario, seen: Observation
-) -> None:
+    worker: Worker,
+    recorder: RidRecorder,
+    scenario: Scenario,
+    seen: Observation,
+    clock: Callable[[], float],
+) -> float | None:
+    """Returns when the cancel happened (``clock``), if it did."""
     ctx = RequestContext("conformance-ctx")
+    cancelled_at: float | None = None
+
+    def cancel() -> None:
+        nonlocal cancelled_at
+        cancelled_at = clock()
+        ctx.kill()
+
     async with trio.open_nursery() as nursery:
         async with worker.generate(scenario.request, ctx, output=scenario.output) as chunks:
             if scenario.cancel == "before_registration":
-                ctx.kill()
+                cancel()
             elif scenario.cancel in ("tokenizing", "dispatched"):
                 rid = recorder.last_rid
                 assert isinstance(rid, str)
@@ -159,14 +197,17 @@ async def _run_request(
                     if scenario.cancel == "tokenizing"
                     else RequestPhase.DISPATCHED
                 )
-                nursery.start_soon(_at_phase, recorder.engine, rid, target, ctx.kill)
+                nursery.start_soon(_at_phase, recorder.engine, rid, target, cancel)
             async for chunk in chunks:
                 _note_chunk(seen, chunk, scenario.output)
                 if scenario.cancel == "mid_stream" and seen.chunks == 2:
-                    ctx.kill()
+                    cancel()
             if scenario.cancel == "after_finish":
-                ctx.kill()
+                cancel()
+        if cancelled_at is not None:
+            seen.stream_close = clock() - cancelled_at
         nursery.cancel_scope.cancel()
+    return cancelled_at
 
 
 async def _at_phase(
@@ -226,6 +267,7 @@ async def _run_trap(engine: Engine, scenario: Scenario, seen: Observation) -> No
 #: SimEngine trace kinds as the scheduler would log them.
 _SIM_TO_SCHEDULER = {
     "dispatched": "request",
+    "token": "token",
     "abort_requested": "abort",
     "abort_applied": "abort_applied",
     "abort_lost": "abort_lost",

@@ -108,8 +108,9 @@ class _EventLog:
     def __init__(self, path: Path) -> None:
         self._file: IO[str] = path.open("a", encoding="utf-8")
 
-    def write(self, kind: str, rid: str | None, **details: Any) -> None:
-        record = {"t": time.monotonic(), "kind": kind, "rid": rid, **details}
+    def write(self, kind: str, rid: str | None, at: float | None = None, **details: Any) -> None:
+        """``at``: when it happened, if not now (a token is decoded before it is sent)."""
+        record = {"t": time.monotonic() if at is None else at, "kind": kind, "rid": rid, **details}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -342,7 +343,7 @@ class _Scheduler:
         for step in steps:
             held = step.held
             if step.token_ids:
-                self._log.write("token", held.rid, index=held.emitted)
+                self._log.write("token", held.rid, at=now, index=held.emitted)
             if step.finished:
                 del self._held[held.rid]
                 self._log.write("finished", held.rid, tokens=held.emitted)
