@@ -21,6 +21,7 @@ with leaks of their own.
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -225,7 +226,7 @@ class _PumpedChunks:
             raise StopAsyncIteration from None
 
 
-class _Baseline:
+class _Baseline(ABC):
     """What both baselines share: the asyncio worker's shape, modelled in trio.
 
     In the asyncio workers the engine stream is iterated by the handler, which
@@ -309,13 +310,13 @@ class _Baseline:
                 return
         handle.ended = True
 
+    @abstractmethod
     def _consumer_left(self, handle: _Handle) -> None:
         """React to the consumer leaving (synchronously, from its exit path)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _done_after_output(self, handle: _Handle) -> bool:
         """Called for each output pulled after the consumer left; True ends the pump."""
-        raise NotImplementedError
 
 
 class FirstResponse(_Baseline):

@@ -105,7 +105,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             raise
         started.append(router)
         cluster = Cluster(router_url, workers, worker_processes, router)
-        time.sleep(0.2)  # the registration probes are over: a worker they broke is gone by now
         cluster.require_workers_alive()
         yield cluster
     finally:
