@@ -124,29 +124,33 @@ class EnginePump:
     async def _read(self) -> bool:
         """Read until the engine stream ends (True), or stop early (False)."""
         request = self._request
-        async with self._send:  # closing it ends the caller's stream
-            try:
-                with self._pull_scope:
-                    if self._consumer_gone:
-                        return False  # gone before the first pull: nothing started
-                    async for out in request.stream:
-                        child = request.note_child(out) if self._children_unknown else None
-                        if not self._consumer_gone:
-                            # BrokenResourceError: the caller left during the hand-over.
-                            with contextlib.suppress(trio.BrokenResourceError):
-                                await self._send.send(out)
-                        elif child is not None and not request.children[child]:
-                            self._abort_when_dispatched(child)  # first seen after the cancel
-                    # Before the channel closes: a caller that sees the end now
-                    # must not count it as leaving early.
-                    self._reading = False
-                    return True
-            # Set before the channel closes, so that the caller raises it.
-            except Exception as exc:
-                self._error = exc
-            except BaseException:
-                # Cancelled from outside the worker: the caller's stream must
-                # not look like it ended normally.
+        try:
+            with self._pull_scope:
+                if self._consumer_gone:
+                    return False  # gone before the first pull: nothing started
+                async for out in request.stream:
+                    child = request.note_child(out) if self._children_unknown else None
+                    if not self._consumer_gone:
+                        # BrokenResourceError: the caller left during the hand-over.
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            await self._send.send(out)
+                    elif child is not None and not request.children[child]:
+                        self._abort_when_dispatched(child)  # first seen after the cancel
+                # Before the channel closes: a caller that sees the end now
+                # must not count it as leaving early.
+                self._reading = False
+                return True
+        # Set before the channel closes, so that the caller raises it.
+        except Exception as exc:
+            self._error = exc
+        except BaseException:
+            # Cancelled from outside the worker: a caller still reading must
+            # not see its stream end as if normally.
+            if not self._consumer_gone:
                 self._error = EngineShutdown("the worker's tasks were cancelled")
-                raise
+            raise
+        finally:
+            # Closing it ends the caller's stream (a synchronous close: no
+            # checkpoint per pump when a thousand are cancelled at once).
+            self._send.close()
         return False
