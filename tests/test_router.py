@@ -11,8 +11,9 @@ What sglang-router 0.3.x does with a worker (measured with a TCP tap):
   health checks over HTTP/2 prior knowledge (SGLang's, then vLLM's scheduler
   service) to detect the connection mode; then ``GET /server_info`` (falling
   back to ``/get_server_info``) and ``GET /model_info`` (falling back to
-  ``/get_model_info``) for metadata; 404s there are tolerated, and the worker
-  is registered under the model id ``unknown``. Afterwards ``GET /health``
+  ``/get_model_info``) for metadata (404s there are tolerated, and the worker
+  is then registered under the model id ``unknown``; ours answer, so the
+  router lists the served model). Afterwards ``GET /health``
   every ``--health-check-interval-secs`` (60 s by default).
 - it forwards ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``
   re-serialized through its own request types: it adds fields with their
@@ -209,6 +210,9 @@ def test_the_router_registers_both_workers_over_http(cluster: Cluster) -> None:
     for worker in registered.values():
         assert worker["is_healthy"]
         assert worker["connection_mode"] == "HTTP"
+    # The workers' /server_info names the model, so the router lists it.
+    models = httpx.get(f"{cluster.router}/v1/models", timeout=TIMEOUT).json()
+    assert MODEL in [m["id"] for m in models["data"]]
     cluster.require_workers_alive()
 
 

@@ -114,6 +114,9 @@ async def test_health_models_capabilities_and_metrics(start_server: StartServer)
         "trio_sglang_open_streams",
     ):
         assert name in metrics
+    info = (await client.get("/server_info")).json()
+    assert info["served_model_name"] == MODEL
+    assert (await client.get("/get_model_info")).json()["model_path"] == MODEL
     assert (await client.get("/nope")).status_code == 404
     assert (await client.get("/generate")).status_code == 405
 

@@ -101,6 +101,11 @@ class ServerApp:
             "/v1/models": self._models,
             "/capabilities": self._capabilities,
             "/metrics": self._metrics,
+            # What sglang-router asks a worker at registration (SGLang's names).
+            "/server_info": self._server_info,
+            "/get_server_info": self._server_info,
+            "/model_info": self._model_info,
+            "/get_model_info": self._model_info,
         }
         if path in posts and method == "POST":
             await self._generate(path, posts[path], scope, receive, send)
@@ -135,6 +140,22 @@ class ServerApp:
             "owned_by": "trio-sglang",
         }
         await send_json(send, 200, {"object": "list", "data": [model]})
+
+    async def _server_info(self, send: Send) -> None:
+        caps = self.worker.capabilities()
+        await send_json(
+            send,
+            200,
+            {
+                "served_model_name": self.model,
+                "model_path": self.model,
+                "version": caps["engine"]["sglang_version"],
+                "trio_sglang": caps["package"]["version"],
+            },
+        )
+
+    async def _model_info(self, send: Send) -> None:
+        await send_json(send, 200, {"model_path": self.model, "is_generation": True})
 
     async def _capabilities(self, send: Send) -> None:
         await send_json(send, 200, self.worker.capabilities())
