@@ -18,7 +18,9 @@ import trio
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 
+from trio_sglang import OutputMode
 from trio_sglang.harness import (
+    CancelPhase,
     Observation,
     Scenario,
     SGLangHarness,
@@ -31,13 +33,20 @@ pytestmark = pytest.mark.sglang
 FIRST_TOKEN_DELAY = 0.2
 TOKEN_INTERVAL = 0.05
 REQUEST = {"text": "hello world", "sampling_params": {"max_new_tokens": 6}}
-PHASES = ["before_registration", "tokenizing", "dispatched", "mid_stream", "after_finish"]
+PHASES: list[CancelPhase] = [
+    "before_registration",
+    "tokenizing",
+    "dispatched",
+    "mid_stream",
+    "after_finish",
+]
+OUTPUTS: list[OutputMode] = ["tokens", "text", "native"]
 
 SCENARIOS = [
     *(
-        Scenario(f"{phase}-{output}", REQUEST, output, phase, tokenize_delay=0.3)  # type: ignore[arg-type]
+        Scenario(f"{phase}-{output}", REQUEST, output, phase, tokenize_delay=0.3)
         for phase in PHASES
-        for output in ("tokens", "text", "native")
+        for output in OUTPUTS
     ),
     Scenario("uncancelled", REQUEST, "native"),
     Scenario(

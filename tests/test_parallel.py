@@ -236,31 +236,30 @@ async def test_breaking_out_after_the_first_child_speaks_stops_the_others(
         assert len(late) <= (0 if release else 1)
 
 
+async def drain(worker: ts.Worker, request: dict[str, Any]) -> None:
+    async with worker.generate(request, ts.RequestContext(CTX_ID)) as stream:
+        async for _ in stream:
+            pass
+
+
+async def drain_until_shutdown(worker: ts.Worker, raised: list[BaseException]) -> None:
+    """Read a parallel stream; record the EngineShutdown that must end it."""
+    try:
+        await drain(worker, SHAPES[1].request)
+    except ts.EngineShutdown as exc:
+        raised.append(exc)
+
+
 async def test_shutdown_ends_a_parallel_stream_and_stops_its_children(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     engine = new_engine(True).sim
     raised: list[BaseException] = []
-
-    async def consumer(worker: ts.Worker) -> None:
-        try:
-            async with worker.generate(SHAPES[1].request, ts.RequestContext(CTX_ID)) as stream:
-                async for _ in stream:
-                    pass
-        except ts.EngineShutdown as exc:
-            raised.append(exc)
-
     async with trio.open_nursery() as outer, ts.open_worker(engine) as worker:
-        outer.start_soon(consumer, worker)
+        outer.start_soon(drain_until_shutdown, worker, raised)
         await trio.sleep(5.0)  # mid-stream
     assert len(raised) == 1
     assert engine.live_rids() == set()
-
-
-async def drain(worker: ts.Worker, request: dict[str, Any]) -> None:
-    async with worker.generate(request, ts.RequestContext(CTX_ID)) as stream:
-        async for _ in stream:
-            pass
 
 
 async def test_an_engine_error_reaches_a_parallel_stream_and_its_children_stop(
@@ -281,17 +280,10 @@ async def test_a_worker_cancelled_from_outside_ends_outside_streams_with_engine_
 ) -> None:
     engine = new_engine(True).sim
     raised: list[BaseException] = []
-
-    async def consumer(worker: ts.Worker) -> None:
-        try:
-            await drain(worker, SHAPES[1].request)
-        except ts.EngineShutdown as exc:
-            raised.append(exc)
-
     async with trio.open_nursery() as outer:
         with trio.CancelScope() as scope:
             async with ts.open_worker(engine) as worker:
-                outer.start_soon(consumer, worker)
+                outer.start_soon(drain_until_shutdown, worker, raised)
                 await trio.sleep(5.0)  # mid-stream
                 scope.cancel()
                 await trio.sleep_forever()
