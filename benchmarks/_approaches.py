@@ -129,8 +129,8 @@ class RecordingEngine:
     async def wait_phase_change(self, rid: str, phase: ts.RequestPhase) -> ts.RequestPhase:
         return await self._inner.wait_phase_change(rid, phase)
 
-    def abort(self, rid: str) -> None:
-        self._inner.abort(rid)
+    async def abort(self, rid: str) -> None:
+        await self._inner.abort(rid)
 
     def live_requests(self) -> int:
         return self._inner.live_requests()
@@ -306,7 +306,7 @@ class _Baseline(ABC):
                     continue
                 except trio.BrokenResourceError:
                     pass  # the consumer left while this output was on its way
-            if self._done_after_output(handle):
+            if await self._done_after_output(handle):
                 return
         handle.ended = True
 
@@ -315,7 +315,7 @@ class _Baseline(ABC):
         """React to the consumer leaving (synchronously, from its exit path)."""
 
     @abstractmethod
-    def _done_after_output(self, handle: _Handle) -> bool:
+    async def _done_after_output(self, handle: _Handle) -> bool:
         """Called for each output pulled after the consumer left; True ends the pump."""
 
 
@@ -329,16 +329,16 @@ class FirstResponse(_Baseline):
 
     def _consumer_left(self, handle: _Handle) -> None:
         if handle.engine_id is not None:
-            self._abort_once(handle)
+            self._spawn(partial(self._abort_once, handle))
 
-    def _done_after_output(self, handle: _Handle) -> bool:
-        self._abort_once(handle)
+    async def _done_after_output(self, handle: _Handle) -> bool:
+        await self._abort_once(handle)
         return True
 
-    def _abort_once(self, handle: _Handle) -> None:
+    async def _abort_once(self, handle: _Handle) -> None:
         if not handle.aborted and handle.engine_id is not None:
             handle.aborted = True
-            self._engine.abort(handle.engine_id)
+            await self._engine.abort(handle.engine_id)
 
 
 class PollThenAbort(_Baseline):
@@ -366,7 +366,7 @@ class PollThenAbort(_Baseline):
         if handle.wanted:  # the monitor task lives in the handler: only once it ran
             self._spawn(partial(self._abort, handle.rid))
 
-    def _done_after_output(self, handle: _Handle) -> bool:
+    async def _done_after_output(self, handle: _Handle) -> bool:
         return False  # keep draining until the stream ends or the drain bound
 
     async def _abort(self, rid: str) -> None:
@@ -377,7 +377,7 @@ class PollThenAbort(_Baseline):
         dispatched = await self._poll_while(rid, registered, self.DISPATCH_WAIT)
         if engine.phase(rid) is absent:
             return  # already released or finished
-        engine.abort(rid)
+        await engine.abort(rid)
         if dispatched:
             return
         delay = self.RETRY_FIRST
@@ -386,7 +386,7 @@ class PollThenAbort(_Baseline):
             delay = min(2 * delay, self.RETRY_MAX)
             if engine.phase(rid) is absent:
                 return
-            engine.abort(rid)
+            await engine.abort(rid)
 
     async def _poll_while(self, rid: str, phase: ts.RequestPhase, bound: float) -> bool:
         """Poll with backoff until ``rid`` leaves ``phase``; False if not within ``bound``."""

@@ -18,7 +18,7 @@ def run_python(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_readme_embedding_example_runs_as_written() -> None:
-    example = readme_block("python", "import trio_sglang")
+    example = readme_block("python", "the embedded default")
     result = run_python("-c", example)
     assert result.returncode == 0, result.stderr
     assert "killed: True; engine still holds: set()" in result.stdout

@@ -16,7 +16,14 @@ import trio.testing
 
 import trio_sglang as ts
 
-LIFECYCLE_FILES = ("_worker.py", "_pump.py", "_cleanup.py", "_context.py", "_outputs.py")
+LIFECYCLE_FILES = (
+    "_worker.py",
+    "_pump.py",
+    "_cleanup.py",
+    "_faults.py",
+    "_context.py",
+    "_outputs.py",
+)
 REQUESTS = 10_000
 BATCH = 500
 
@@ -36,9 +43,11 @@ async def cancel_many(worker: ts.Worker, count: int) -> None:
         await trio.testing.wait_all_tasks_blocked()
 
 
-def lifecycle_bytes(snapshot: tracemalloc.Snapshot) -> int:
+def lifecycle_memory(snapshot: tracemalloc.Snapshot) -> tuple[int, int]:
+    """Bytes and blocks allocated by the lifecycle's modules and still alive."""
     filters = [tracemalloc.Filter(True, f"*trio_sglang/{name}") for name in LIFECYCLE_FILES]
-    return sum(stat.size for stat in snapshot.filter_traces(filters).statistics("filename"))
+    stats = snapshot.filter_traces(filters).statistics("filename")
+    return sum(stat.size for stat in stats), sum(stat.count for stat in stats)
 
 
 async def test_ten_thousand_cancels_leave_nothing_behind(
@@ -52,18 +61,25 @@ async def test_ten_thousand_cancels_leave_nothing_behind(
         gc.collect()
         tracemalloc.start()
         try:
-            before = lifecycle_bytes(tracemalloc.take_snapshot())
+            before, blocks_before = lifecycle_memory(tracemalloc.take_snapshot())
             await cancel_many(worker, REQUESTS)
             gc.collect()
-            after = lifecycle_bytes(tracemalloc.take_snapshot())
+            after, blocks_after = lifecycle_memory(tracemalloc.take_snapshot())
         finally:
             tracemalloc.stop()
         assert worker.open_streams == 0
         assert worker.pending_cleanups == 0
         assert worker._cleanups == set()
         assert engine.live_rids() == set()
-    print(f"lifecycle memory after {REQUESTS} cancels: {after - before:+d} bytes")
-    # Well under one byte per request: nothing per request survives.
-    assert after - before < REQUESTS
+    print(
+        f"lifecycle memory after {REQUESTS} cancels: {after - before:+d} bytes, "
+        f"{blocks_after - blocks_before:+d} blocks"
+    )
+    # Nothing per request survives: a handful of blocks at most, for 10,000
+    # requests. The bytes allow one high-water mark: the emptied set of
+    # cleanup scopes keeps its largest table (32 KiB), and which burst of
+    # the run first needs it depends on trio's randomised scheduling.
+    assert blocks_after - blocks_before < 10
+    assert after - before <= 64 * 1024
     aborted = sum(1 for e in engine.trace if e.kind == "abort_applied")
     assert aborted == REQUESTS + BATCH

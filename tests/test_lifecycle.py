@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
-from _faulty import AbortMode, FaultyEngine
+from trio_sglang.testing import AbortFault, Faults, FaultyEngine
 
 REQUEST: dict[str, Any] = {"text": "hello there", "sampling_params": {"max_new_tokens": 5}}
 
@@ -133,14 +134,16 @@ async def test_an_error_in_the_body_aborts_and_propagates(
 async def test_an_engine_error_mid_stream_reaches_the_caller_and_still_stops_the_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = FaultyEngine(slow_sim(), break_after=2)
+    sim = slow_sim()
+    engine = FaultyEngine(sim, Faults(stream_error_after=2))
     async with ts.open_worker(engine) as worker:
-        with pytest.raises(RuntimeError, match="engine crashed"):
+        with pytest.raises(ts.EngineError, match=r"generating c \(RuntimeError\)") as raised:
             await stream_until(worker, ts.RequestContext("c"), chunks=5, then=pytest.fail)
+        assert isinstance(raised.value.__cause__, RuntimeError)
         assert trio.current_time() == 3.5
         await trio.testing.wait_all_tasks_blocked()
-        assert engine.sim.live_rids() == set()
-        assert engine.sim.trace.kinds(only_rid(engine.sim))[-2:] == [
+        assert sim.live_rids() == set()
+        assert sim.trace.kinds(only_rid(sim))[-2:] == [
             "abort_requested",
             "abort_applied",
         ]
@@ -151,25 +154,30 @@ async def test_an_abort_that_raises_is_retried_and_logged(
 ) -> None:
     # No release path: only the worker's abort (at once: it is dispatched) can
     # stop the request.
-    engine = FaultyEngine(slow_sim(release_on_close=False), abort_mode="raise_once")
+    sim = slow_sim(release_on_close=False)
+    engine = FaultyEngine(sim, Faults(abort="raise", abort_failures=1))
     policy = ts.AbortPolicy(release_timeout=0.5, abort_retry_delay=0.25)
     async with ts.open_worker(engine, policy=policy) as worker:
         left = await read_one_chunk(worker, ts.RequestContext("pub-1"))
         await trio.sleep(5)
     assert left == 2.5  # the stream closed at once
     # the first abort raised, the retry took
-    assert engine.abort_calls == [2.5, 2.75]
-    assert engine.sim.live_rids() == set()
-    assert "took on attempt 2" in caplog.text
-    assert "pub-1" in caplog.text
-    assert only_rid(engine.sim) in caplog.text
+    assert [time for time, _ in engine.aborts] == [2.5, 2.75]
+    assert sim.live_rids() == set()
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.levelno == logging.WARNING
+    assert "abort_error" in record.getMessage()
+    assert "after 1 failed abort attempt(s)" in record.getMessage()
+    assert "pub-1" in record.getMessage()
+    assert only_rid(sim) in record.getMessage()
 
 
-@pytest.mark.parametrize("mode", ["raise", "refuse"])
+@pytest.mark.parametrize("mode", ["raise", "ignore"])
 async def test_retries_are_bounded_when_the_abort_never_takes(
-    mode: AbortMode, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    mode: AbortFault, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = FaultyEngine(slow_sim(release_on_close=False), abort_mode=mode)
+    sim = slow_sim(release_on_close=False)
+    engine = FaultyEngine(sim, Faults(abort=mode))
     policy = ts.AbortPolicy(release_timeout=0.5, abort_retry_delay=0.25, abort_attempts=3)
     async with ts.open_worker(engine, policy=policy) as worker:
         left = await read_one_chunk(worker, ts.RequestContext("pub-2"))
@@ -177,17 +185,16 @@ async def test_retries_are_bounded_when_the_abort_never_takes(
         await trio.sleep(10)
         assert worker.pending_cleanups == 0
     assert left == 2.5
-    assert len(engine.abort_calls) == policy.abort_attempts
     if mode == "raise":
-        assert engine.abort_calls == [2.5, 2.75, 3.0]
+        assert [time for time, _ in engine.aborts] == [2.5, 2.75, 3.0]
     else:  # each attempt waits release_timeout for the abort to take
-        assert engine.abort_calls == [2.5, 3.25, 4.0]
+        assert [time for time, _ in engine.aborts] == [2.5, 3.25, 4.0]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1
     assert "after 3 abort attempts" in errors[0].getMessage()
     assert "pub-2" in errors[0].getMessage()
     # The engine was never able to stop it: it ran to its natural end.
-    assert engine.sim.trace.kinds(only_rid(engine.sim))[-1] == "finished"
+    assert sim.trace.kinds(only_rid(sim))[-1] == "finished"
 
 
 async def test_without_release_on_close_the_abort_follows_the_dispatch(
@@ -217,11 +224,17 @@ async def test_shutdown_cancels_pending_cleanup_before_the_engine_closes(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     pending_at_close: list[int] = []
-    engine = FaultyEngine(
-        slow_sim(release_on_close=False),
-        abort_mode="refuse",
-        on_close=lambda: pending_at_close.append(worker.pending_cleanups),
-    )
+
+    class WatchedClose(FaultyEngine):
+        @asynccontextmanager
+        async def running(self) -> AsyncIterator[None]:
+            async with super().running():
+                try:
+                    yield
+                finally:
+                    pending_at_close.append(worker.pending_cleanups)
+
+    engine = WatchedClose(slow_sim(release_on_close=False), Faults(abort="ignore"))
     policy = ts.AbortPolicy(release_timeout=2.0, shutdown_grace=1.0)
     async with ts.open_worker(engine, policy=policy) as worker:
         async with trio.open_nursery() as nursery:

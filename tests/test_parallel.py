@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
-from _faulty import FaultyEngine
+from trio_sglang.testing import Faults, FaultyEngine
 
 CTX_ID = "chatcmpl-par"
 PRE_WORK = 1.0
@@ -65,15 +65,14 @@ PHASES = [
 ]
 
 
-def new_engine(release_on_close: bool) -> FaultyEngine:
-    sim = ts.SimEngine(
+def new_engine(release_on_close: bool) -> ts.SimEngine:
+    return ts.SimEngine(
         tokenize_delay=1.0,
         dispatch_delay=0.5,
         first_token_delay=1.0,
         token_interval=1.0,
         release_on_close=release_on_close,
     )
-    return FaultyEngine(sim)
 
 
 def times(engine: ts.SimEngine, kind: str) -> list[float]:
@@ -116,7 +115,7 @@ class Run:
 
 async def run(s: Shape, output: ts.OutputMode, release: bool, cancel_after: float | None) -> Run:
     """One request; its consumer's task is cancelled ``cancel_after`` seconds in."""
-    result = Run(new_engine(release).sim, trio.current_time(), [])
+    result = Run(new_engine(release), trio.current_time(), [])
     policy = ts.AbortPolicy(child_watch_timeout=10.0)
     async with ts.open_worker(result.engine, policy=policy) as worker:
         async with trio.open_nursery() as nursery:
@@ -208,21 +207,22 @@ async def test_cancel_stops_every_child(
 async def test_batch_with_n_is_refused_where_the_engine_cannot_run_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = FaultyEngine(new_engine(True).sim, lacks=frozenset({"batch_parallel_sampling"}))
+    sim = new_engine(True)
+    engine = FaultyEngine(sim, features={"batch_parallel_sampling": False})
     request = {"text": ["a", "b"], "sampling_params": {"n": 2}}
     async with ts.open_worker(engine) as worker:
         with pytest.raises(ts.InvalidRequest, match="native batch"):
             async with worker.generate(request, ts.RequestContext(CTX_ID)):
                 pytest.fail("unreachable")
         assert worker.capabilities()["features"]["batch_parallel_sampling_v1"] is False
-    assert list(engine.sim.trace) == []
+    assert list(sim.trace) == []
 
 
 @pytest.mark.parametrize("release", [True, False], ids=["release-on-close", "no-release"])
 async def test_breaking_out_after_the_first_child_speaks_stops_the_others(
     release: bool, autojump_clock: trio.testing.MockClock
 ) -> None:
-    engine = new_engine(release).sim
+    engine = new_engine(release)
     async with ts.open_worker(engine, policy=ts.AbortPolicy(child_watch_timeout=10.0)) as worker:
         async with worker.generate(SHAPES[2].request, ts.RequestContext(CTX_ID)) as stream:
             async for chunk in stream:
@@ -253,7 +253,7 @@ async def drain_until_shutdown(worker: ts.Worker, raised: list[BaseException]) -
 async def test_shutdown_ends_a_parallel_stream_and_stops_its_children(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = new_engine(True).sim
+    engine = new_engine(True)
     raised: list[BaseException] = []
     async with trio.open_nursery() as outer, ts.open_worker(engine) as worker:
         outer.start_soon(drain_until_shutdown, worker, raised)
@@ -265,20 +265,21 @@ async def test_shutdown_ends_a_parallel_stream_and_stops_its_children(
 async def test_an_engine_error_reaches_a_parallel_stream_and_its_children_stop(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = FaultyEngine(new_engine(True).sim, break_after=2)
+    sim = new_engine(True)
+    engine = FaultyEngine(sim, Faults(stream_error_after=2))
     async with ts.open_worker(engine) as worker:
-        with pytest.raises(RuntimeError, match="engine crashed"):
+        with pytest.raises(ts.EngineError, match="RuntimeError"):
             await drain(worker, SHAPES[1].request)
         await trio.testing.wait_all_tasks_blocked()
         assert worker.pending_cleanups == 0
-    assert engine.sim.live_rids() == set()
-    assert "abort_applied" in [e.kind for e in engine.sim.trace]
+    assert sim.live_rids() == set()
+    assert "abort_applied" in [e.kind for e in sim.trace]
 
 
 async def test_a_worker_cancelled_from_outside_ends_outside_streams_with_engine_shutdown(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = new_engine(True).sim
+    engine = new_engine(True)
     raised: list[BaseException] = []
     async with trio.open_nursery() as outer:
         with trio.CancelScope() as scope:

@@ -212,10 +212,10 @@ async def test_abort_during_tokenization_is_lost_and_blocks_later_aborts(
         pulled = h.consume(engine.generate(request("r1")))
         await h.at(0.5)
         assert engine.phase("r1") is RequestPhase.REGISTERED
-        engine.abort("r1")
+        await engine.abort("r1")
         await h.at(2.0)
         assert engine.phase("r1") is RequestPhase.DISPATCHED
-        engine.abort("r1")
+        await engine.abort("r1")
     assert h.timeline("r1") == [
         (0.0, "registered"),
         (0.5, "abort_requested"),
@@ -242,8 +242,8 @@ async def test_second_abort_of_a_dispatched_rid_is_dropped(
     async with started(engine) as h:
         pulled = h.consume(engine.generate(request("r1")))
         await h.at(2.0)
-        engine.abort("r1")
-        engine.abort("r1")
+        await engine.abort("r1")
+        await engine.abort("r1")
     assert h.timeline("r1") == [
         (0.0, "registered"),
         (1.5, "dispatched"),
@@ -262,7 +262,7 @@ async def test_abort_of_an_unknown_rid_never_reaches_the_scheduler(
 ) -> None:
     engine = make_engine()
     async with started(engine):
-        engine.abort("nobody")
+        await engine.abort("nobody")
     assert [(e.kind, e.rid, e.detail) for e in engine.trace] == [
         ("abort_dropped", "nobody", "unknown rid")
     ]
@@ -288,7 +288,7 @@ async def test_abort_matches_by_prefix(autojump_clock: trio.testing.MockClock) -
         r1 = h.consume(engine.generate(request("r1")))
         r10 = h.consume(engine.generate(request("r10")))
         await h.at(2.75)  # both decoding, one token each
-        engine.abort("r1")
+        await engine.abort("r1")
     aborted = [(2.75, "abort_applied")]
     assert h.timeline("r1") == [*normal_run()[:3], (2.75, "abort_requested"), *aborted]
     assert h.timeline("r10") == [*normal_run()[:3], *aborted]
@@ -521,7 +521,7 @@ async def test_parallel_sampling_uses_fresh_uuid_children(
         await h.at(0.5)
         assert set(engine.tokenizer_manager.rid_to_state) == set(PARENTS)
         await h.at(3.25)  # every child decoding
-        engine.abort("p")  # the caller's rid is unknown to the engine
+        await engine.abort("p")  # the caller's rid is unknown to the engine
     warm_up, children = split_parallel(engine)
     for parent in PARENTS:
         assert h.timeline(parent) == [(0.0, "registered"), (2.0, "released")]

@@ -5,7 +5,8 @@ The public API lives here; the ``_modules`` behind it are private.
 
 from ._context import RequestContext
 from ._engine import Engine, EngineStream, RequestPhase
-from ._errors import EngineShutdown, InvalidRequest
+from ._errors import EngineError, EngineShutdown, InvalidRequest
+from ._faults import EngineFault
 from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode
@@ -18,6 +19,8 @@ from ._worker import ResponseStream, Worker, open_worker
 __all__ = [
     "AbortPolicy",
     "Engine",
+    "EngineError",
+    "EngineFault",
     "EngineShutdown",
     "EngineStream",
     "InvalidRequest",

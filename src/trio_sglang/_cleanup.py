@@ -18,11 +18,10 @@ from typing import Any
 import trio
 
 from ._engine import Engine, EngineStream, RequestPhase
+from ._faults import EngineFault, FaultLog
 from ._policy import AbortPolicy
 
 __all__ = ["EngineCleanup", "EngineRequest"]
-
-logger = logging.getLogger("trio_sglang")
 
 
 @dataclass(eq=False, slots=True)
@@ -38,6 +37,9 @@ class EngineRequest:
     children: dict[str, bool] = field(default_factory=dict)
     #: When the caller went and the cleanup became owed (trio clock).
     cancelled_at: float | None = None
+    #: Engine ids an ordered abort has already run for (each gets one, so a
+    #: fault is retried a bounded number of times and reported once).
+    abort_started: set[str] = field(default_factory=set)
 
     def note_child(self, out: dict[str, Any]) -> str | None:
         """Record the output's engine id; return it when seen for the first time."""
@@ -59,20 +61,21 @@ class EngineRequest:
 
 
 class EngineCleanup:
-    def __init__(self, engine: Engine, policy: AbortPolicy) -> None:
+    def __init__(self, engine: Engine, policy: AbortPolicy, faults: FaultLog) -> None:
         self._engine = engine
         self._policy = policy
+        self._faults = faults
 
     async def stop(self, request: EngineRequest) -> None:
         """Close the stream, then make sure every id the request has is gone."""
         await self._close(request)
-        rids = request.unfinished()
+        rids = [rid for rid in request.unfinished() if rid not in request.abort_started]
         if len(rids) == 1:
-            await self._settle(rids[0], request.public_id)
+            await self._settle(request, rids[0])
         elif rids:
             async with trio.open_nursery() as nursery:
                 for rid in rids:
-                    nursery.start_soon(self._settle, rid, request.public_id)
+                    nursery.start_soon(self._settle, request, rid)
 
     async def _close(self, request: EngineRequest) -> None:
         # Shielded even from the worker's shutdown: a half-closed stream is
@@ -80,22 +83,26 @@ class EngineCleanup:
         with trio.move_on_after(self._policy.close_timeout, shield=True) as scope:
             try:
                 await request.stream.aclose()
-            except Exception:
-                logger.exception(
-                    "closing the engine stream of %s (rids %s) failed",
+            except Exception as exc:
+                self._faults.report(
+                    "close_error",
                     request.public_id,
                     request.unfinished(),
+                    "closing the engine stream raised",
+                    error=exc,
                 )
         if scope.cancelled_caught:
-            logger.warning(
-                "closing the engine stream of %s took over %ss",
+            self._faults.report(
+                "close_timeout",
                 request.public_id,
-                self._policy.close_timeout,
+                request.unfinished(),
+                f"closing the engine stream took over {self._policy.close_timeout}s",
+                level=logging.WARNING,
             )
 
-    async def _settle(self, rid: str, public_id: str) -> None:
+    async def _settle(self, request: EngineRequest, rid: str) -> None:
         if not await self._released_in_time(rid):
-            await self.ordered_abort(rid, public_id)
+            await self.ordered_abort(request, rid)
 
     async def _released_in_time(self, rid: str) -> bool:
         """Whether the engine lets go of ``rid`` within ``policy.release_timeout``."""
@@ -106,48 +113,71 @@ class EngineCleanup:
             return True
         return False
 
-    async def ordered_abort(self, rid: str, public_id: str) -> None:
-        """Abort ``rid`` right after its dispatch (never before), bounded, retried."""
-        engine, policy = self._engine, self._policy
+    async def ordered_abort(self, request: EngineRequest, rid: str) -> None:
+        """Abort ``rid`` right after its dispatch (never before), bounded, retried.
+
+        Runs once per rid of a request. Whatever goes wrong is reported once:
+        the first failure if a retry then took, the last one if none did.
+        """
+        if rid in request.abort_started:
+            return
+        request.abort_started.add(rid)
+        engine, policy, public_id = self._engine, self._policy, request.public_id
         phase = engine.phase(rid)
         if phase is RequestPhase.REGISTERED:
             with trio.move_on_after(policy.dispatch_timeout):
                 phase = await engine.wait_phase_change(rid, phase)
             if phase is RequestPhase.REGISTERED:
-                logger.error(
-                    "request %s (rid %s) still undispatched after %ss; not aborting it, "
-                    "since an abort before dispatch is lost",
+                self._faults.report(
+                    "dispatch_timeout",
                     public_id,
-                    rid,
-                    policy.dispatch_timeout,
+                    [rid],
+                    f"still undispatched after {policy.dispatch_timeout}s; not aborted, "
+                    "since an abort before dispatch is lost",
                 )
                 return
-        error: Exception | None = None
+        failures: list[tuple[EngineFault, BaseException | None]] = []
         for attempt in range(1, policy.abort_attempts + 1):
             if phase is RequestPhase.ABSENT:
-                return
-            try:
-                engine.abort(rid)
-            except Exception as exc:
-                error = exc
-            else:
-                if await self._released_in_time(rid):
-                    if error is not None:
-                        logger.warning(
-                            "abort of %s (rid %s) took on attempt %d after an error: %r",
-                            public_id,
-                            rid,
-                            attempt,
-                            error,
-                        )
-                    return
+                break
+            failure = await self._attempt_abort(rid)
+            if failure is None:
+                break
+            failures.append(failure)
             if attempt < policy.abort_attempts:
                 await trio.sleep(policy.abort_retry_delay)
             phase = engine.phase(rid)
-        logger.error(
-            "the engine still holds request %s (rid %s) after %d abort attempts",
+        if not failures:
+            return
+        if engine.phase(rid) is RequestPhase.ABSENT:
+            kind, error = failures[0]
+            first = f" (the first: {error!r})" if error is not None else ""
+            self._faults.report(
+                kind,
+                public_id,
+                [rid],
+                f"the engine let go of it after {len(failures)} failed abort attempt(s){first}",
+                level=logging.WARNING,
+            )
+            return
+        kind, error = failures[-1]
+        self._faults.report(
+            kind,
             public_id,
-            rid,
-            policy.abort_attempts,
-            exc_info=error,
+            [rid],
+            f"the engine still holds it after {policy.abort_attempts} abort attempts",
+            error=error,
         )
+
+    async def _attempt_abort(self, rid: str) -> tuple[EngineFault, BaseException | None] | None:
+        """One abort, bounded, then the wait for it to take; what went wrong, or None."""
+        with trio.move_on_after(self._policy.abort_timeout) as call:
+            try:
+                await self._engine.abort(rid)
+            except Exception as exc:
+                return ("abort_error", exc)
+        if call.cancelled_caught:
+            return ("abort_timeout", None)
+        if not await self._released_in_time(rid):
+            return ("abort_not_taken", None)
+        return None

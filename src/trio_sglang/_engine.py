@@ -97,8 +97,14 @@ class Engine(Protocol):
         """
         ...
 
-    def abort(self, rid: str) -> None:
-        """Ask the engine to abort ``rid`` (``abort_request``); may be lost."""
+    async def abort(self, rid: str) -> None:
+        """Ask the engine to abort ``rid`` (``abort_request``); may be lost.
+
+        Async because an abort can wait on I/O (a socket to the scheduler, a
+        remote worker); the lifecycle bounds each call with
+        ``AbortPolicy.abort_timeout``. It should send before its first
+        checkpoint, so that an abort issued on dispatch is not delayed.
+        """
         ...
 
     def live_requests(self) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ._faults import EngineFault
 
 __all__ = ["WorkerObserver"]
 
@@ -15,4 +18,8 @@ class WorkerObserver(Protocol):
         ``released`` says whether the engine had let go of every id of the
         request by then.
         """
+        ...
+
+    def engine_fault(self, kind: EngineFault) -> None:
+        """The engine misbehaved once (see ``EngineFault``); already logged."""
         ...

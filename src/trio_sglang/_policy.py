@@ -32,12 +32,21 @@ class AbortPolicy:
     abort_attempts: int = 3
     #: Pause between abort attempts.
     abort_retry_delay: float = 0.005
+    #: Bound on one call of the engine's abort (SGLang's is a socket send:
+    #: microseconds, unless the scheduler's socket is stuck); a call that
+    #: takes longer counts as a failed attempt.
+    abort_timeout: float = 1.0
     #: Parallel sampling on an engine whose close does not release every
     #: child: how long to keep reading after the cancel, to abort children
     #: first seen then.
     child_watch_timeout: float = 1.0
     #: Overall bound on one request's cleanup task.
     cleanup_timeout: float = 10.0
+    #: Longest the caller's stream waits for the engine's next output
+    #: (the first one included) before it fails with ``EngineError`` and the
+    #: request is stopped. Off by default: a request queued behind a full
+    #: batch can legitimately wait minutes for its first token.
+    stall_timeout: float = math.inf
     #: When the worker is left: how long open streams and pending cleanup get
     #: before the cleanup is cancelled and the engine closes.
     shutdown_grace: float = 1.0

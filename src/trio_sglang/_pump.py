@@ -119,7 +119,7 @@ class EnginePump:
 
     def _abort_when_dispatched(self, rid: str) -> None:
         assert self._aborts is not None  # only called while reading, inside the nursery
-        self._aborts.start_soon(self._cleanup.ordered_abort, rid, self._request.public_id)
+        self._aborts.start_soon(self._cleanup.ordered_abort, self._request, rid)
 
     async def _read(self) -> bool:
         """Read until the engine stream ends (True), or stop early (False)."""

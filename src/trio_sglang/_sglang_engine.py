@@ -139,8 +139,10 @@ class SGLangEngine:
             await trio.sleep(self._poll_interval)
         return current
 
-    def abort(self, rid: str) -> None:
+    async def abort(self, rid: str) -> None:
+        # A synchronous send on SGLang's socket to the scheduler.
         self.tokenizer_manager.abort_request(rid=rid)
+        await trio.lowlevel.checkpoint()
 
     def live_requests(self) -> int:
         registry = getattr(self._tm, "rid_to_state", None)

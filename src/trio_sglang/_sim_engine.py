@@ -100,8 +100,9 @@ class SimEngine:
     async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
         return await self._tm.wait_phase_change(rid, phase)
 
-    def abort(self, rid: str) -> None:
+    async def abort(self, rid: str) -> None:
         self._tm.abort_request(rid)
+        await trio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:
         t = self.timing

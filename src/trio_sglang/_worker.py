@@ -20,6 +20,7 @@ caller's task; the others are read by an ``EnginePump`` (see ``_pump.py``).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,7 +31,8 @@ from ._capabilities import build_capabilities
 from ._cleanup import EngineCleanup, EngineRequest
 from ._context import RequestContext
 from ._engine import Engine
-from ._errors import EngineShutdown, InvalidRequest
+from ._errors import EngineError, EngineShutdown, InvalidRequest
+from ._faults import FaultLog
 from ._ids import mint_rid
 from ._observer import WorkerObserver
 from ._outputs import PublicIds, format_chunk
@@ -106,14 +108,15 @@ class ResponseStream:
         self._pulling = True
         pulled = False
         try:
-            if self._pump is None:
-                out = await self._request.stream.__anext__()
-            else:
-                out = await self._pump.receive()
+            out = await self._pull()
             pulled = True
         except StopAsyncIteration:
             self._exhausted = True
             raise
+        except (EngineError, EngineShutdown):
+            raise
+        except Exception as exc:
+            raise self._worker._engine_failed(self._request, exc) from exc
         finally:
             self._pulling = False
             if not pulled:
@@ -121,6 +124,15 @@ class ResponseStream:
                 # resume, so its cleanup starts now, not at block exit.
                 self._close()
         return format_chunk(self._output, out, self._ids)
+
+    async def _pull(self) -> dict[str, Any]:
+        pull = self._request.stream.__anext__ if self._pump is None else self._pump.receive
+        stall_timeout = self._worker.policy.stall_timeout
+        if stall_timeout == math.inf:
+            return await pull()
+        with trio.move_on_after(stall_timeout):
+            return await pull()
+        raise self._worker._engine_stalled(self._request)
 
     async def aclose(self) -> None:
         """End the stream now; the engine-side cleanup goes on in the worker."""
@@ -163,7 +175,8 @@ class Worker:
         self._observer = observer
         self._nursery = nursery
         self._features = dict(engine.features())
-        self._engine_cleanup = EngineCleanup(engine, policy)
+        self._faults = FaultLog(observer)
+        self._engine_cleanup = EngineCleanup(engine, policy, self._faults)
         self._open: set[ResponseStream] = set()
         self._cleanups: set[trio.CancelScope] = set()
         self._pending_cleanups = 0
@@ -306,11 +319,36 @@ class Worker:
             self._cancelled_at_shutdown += 1
             logger.debug("cleanup of request %s cancelled at shutdown", request.public_id)
             return
-        logger.warning(
-            "cleanup of request %s (rids %s) timed out; the engine may still hold it",
+        self._faults.report(
+            "cleanup_timeout",
             request.public_id,
             request.unfinished(),
+            f"the cleanup ran past {self._policy.cleanup_timeout}s; the engine may still hold it",
+            level=logging.WARNING,
         )
+
+    # -- engine faults seen by the caller -------------------------------------
+
+    def _engine_failed(self, request: EngineRequest, error: Exception) -> EngineError:
+        self._faults.report(
+            "stream_error", request.public_id, request.unfinished(), repr(error), error=error
+        )
+        # The engine's own error may name internal ids: the caller gets its
+        # type (and ``__cause__``), the log gets the whole of it.
+        return EngineError(
+            f"the engine failed while generating {request.public_id} ({type(error).__name__})"
+        )
+
+    def _engine_stalled(self, request: EngineRequest) -> EngineError:
+        timeout = self._policy.stall_timeout
+        phases = ", ".join(self._engine.phase(rid).value for rid in request.unfinished())
+        self._faults.report(
+            "stream_stalled",
+            request.public_id,
+            request.unfinished(),
+            f"no output for {timeout}s (engine phase: {phases or 'unknown'})",
+        )
+        return EngineError(f"the engine sent no output for {request.public_id} in {timeout}s")
 
     async def _run_cleanup(self, request: EngineRequest) -> None:
         """One request's engine-side cleanup, counted by ``_hand_over``."""

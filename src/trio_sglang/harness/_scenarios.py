@@ -119,8 +119,8 @@ class RidRecorder:
     async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
         return await self.engine.wait_phase_change(rid, phase)
 
-    def abort(self, rid: str) -> None:
-        self.engine.abort(rid)
+    async def abort(self, rid: str) -> None:
+        await self.engine.abort(rid)
 
     def live_requests(self) -> int:
         return self.engine.live_requests()
@@ -214,11 +214,15 @@ async def _at_phase(
     engine: Engine, rid: str, target: RequestPhase, action: Callable[[], None]
 ) -> None:
     """Run ``action`` as soon as ``rid`` reaches ``target`` (bounded)."""
+    await _reach_phase(engine, rid, target)
+    action()
+
+
+async def _reach_phase(engine: Engine, rid: str, target: RequestPhase) -> None:
     with trio.fail_after(10):
         phase = engine.phase(rid)
         while phase is not target:
             phase = await engine.wait_phase_change(rid, phase)
-    action()
 
 
 def _reason(value: object) -> str | None:
@@ -240,15 +244,19 @@ def _note_chunk(seen: Observation, chunk: dict[str, Any], output: OutputMode) ->
 async def _run_trap(engine: Engine, scenario: Scenario, seen: Observation) -> None:
     """The abort traps of SGLANG_FACTS.md, driven by hand (no lifecycle)."""
     if scenario.trap == "abort_unknown_rid":
-        engine.abort("conformance-unknown-rid")
+        await engine.abort("conformance-unknown-rid")
         return
     rid = "conformance-trap-" + "0" * 15
     stream = engine.generate({**scenario.request, "rid": rid, "stream": True})
     try:
         async with trio.open_nursery() as nursery:
             if scenario.trap == "abort_while_tokenizing":
-                aborted = RequestPhase.REGISTERED
-                nursery.start_soon(_at_phase, engine, rid, aborted, lambda: engine.abort(rid))
+
+                async def abort_while_tokenizing() -> None:
+                    await _reach_phase(engine, rid, RequestPhase.REGISTERED)
+                    await engine.abort(rid)
+
+                nursery.start_soon(abort_while_tokenizing)
             while True:
                 try:
                     out = await stream.__anext__()
@@ -257,8 +265,8 @@ async def _run_trap(engine: Engine, scenario: Scenario, seen: Observation) -> No
                 seen.chunks += 1
                 seen.finish_reasons.append(_reason(out["meta_info"]["finish_reason"]))
                 if scenario.trap == "abort_twice" and seen.chunks == 1:
-                    engine.abort(rid)
-                    engine.abort(rid)
+                    await engine.abort(rid)
+                    await engine.abort(rid)
     finally:
         with trio.move_on_after(5, shield=True):
             await stream.aclose()

@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from .._context import RequestContext
-from .._errors import EngineShutdown, InvalidRequest
+from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._worker import Worker
 from ._asgi import (
     SSE_DONE,
@@ -222,9 +222,12 @@ class ServerApp:
         except EngineShutdown:
             await self._fail(send, started, 503, "the server is shutting down")
             return "shutdown"
+        except EngineError as exc:  # already logged once by the worker, with its ids
+            await self._fail(send, started, 502, str(exc))
+            return "failed"
         except Exception:
             logger.exception("request %s failed", plan.public_id)
-            await self._fail(send, started, 500, "the engine failed while generating")
+            await self._fail(send, started, 500, "internal server error")
             return "failed"
         if ctx.killed:
             return "cancelled"  # the client is gone: nothing more to send

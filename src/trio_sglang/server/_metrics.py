@@ -6,6 +6,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .._faults import EngineFault
 from .._worker import Worker
 
 __all__ = ["CancelPhase", "ServerMetrics"]
@@ -42,6 +43,12 @@ class ServerMetrics:
             "Cleanups that ended with the engine still holding the request.",
             registry=self.registry,
         )
+        self.engine_faults = Counter(
+            "trio_sglang_engine_faults",
+            "Engine faults the worker worked around or could not, by kind (see EngineFault).",
+            ["kind"],
+            registry=self.registry,
+        )
         self.cleanup_tasks = Gauge(
             "trio_sglang_cleanup_tasks_in_flight",
             "Engine-side cleanups still running.",
@@ -67,6 +74,9 @@ class ServerMetrics:
             self.abort_delay.observe(seconds)
         else:
             self.cleanups_unconfirmed.inc()
+
+    def engine_fault(self, kind: EngineFault) -> None:
+        self.engine_faults.labels(kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
