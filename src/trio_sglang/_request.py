@@ -8,6 +8,7 @@ never leaves state at the engine.
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -166,13 +167,21 @@ def _check_prompt(request: Mapping[str, Any]) -> int | None:
         raise InvalidRequest("a request needs exactly one of 'text' or 'input_ids'")
     if has_text:
         text = request["text"]
+        prompts: list[str]
+        batch_size: int | None
         if isinstance(text, str):
             if not text:
                 raise InvalidRequest("'text' is empty")
-            return None
-        if isinstance(text, list) and text and all(isinstance(t, str) and t for t in text):
-            return len(text)
-        raise InvalidRequest("'text' must be a non-empty string or a non-empty list of them")
+            prompts, batch_size = [text], None
+        elif isinstance(text, list) and text and all(isinstance(t, str) and t for t in text):
+            prompts, batch_size = text, len(text)
+        else:
+            raise InvalidRequest("'text' must be a non-empty string or a non-empty list of them")
+        if not all(_is_unicode(t) for t in prompts):
+            raise InvalidRequest(
+                "'text' must be Unicode, without a lone surrogate (an unpaired \\ud800-\\udfff)"
+            )
+        return batch_size
     ids = request["input_ids"]
     if _is_token_list(ids):
         return None
@@ -181,6 +190,20 @@ def _check_prompt(request: Mapping[str, Any]) -> int | None:
     raise InvalidRequest(
         "'input_ids' must be a non-empty list of token ids (ints >= 0), or a list of them"
     )
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether a tokenizer can encode ``text``.
+
+    JSON lets a string escape half a surrogate pair (``"\\ud800"``), which
+    decodes to a Python ``str`` that UTF-8 cannot encode; the engine would
+    fail on it while tokenizing, after the rid was registered.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_token_list(value: object) -> bool:
@@ -256,7 +279,11 @@ def _check_one_sampling_params(params: object) -> dict[str, Any]:
 
 def _check_sampling_value(key: str, value: object) -> None:
     def bad(expected: str) -> InvalidRequest:
-        return InvalidRequest(f"sampling_params.{key} must be {expected}, got {value!r}")
+        # reprlib: bounded in depth and length, so neither a value nested close to
+        # the JSON parser's limit (RecursionError) nor a megabyte string gets in.
+        return InvalidRequest(
+            f"sampling_params.{key} must be {expected}, got {reprlib.repr(value)}"
+        )
 
     if key in ("max_new_tokens", "min_new_tokens"):
         if not _is_int(value) or not 0 <= cast(int, value) <= _MAX_INT:
@@ -318,4 +345,4 @@ def _check_rid(rid: object, batch_size: int | None) -> str | tuple[str, ...] | N
         if len(set(rid)) != len(rid):
             raise InvalidRequest("'rid' has duplicate entries")
         return tuple(rid)
-    raise InvalidRequest(f"'rid' must be a string (or a list for a batch), got {rid!r}")
+    raise InvalidRequest(f"'rid' must be a string (or a list for a batch), got {reprlib.repr(rid)}")

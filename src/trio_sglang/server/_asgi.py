@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, NoReturn
 
 from ._errors import HTTPError
 
 __all__ = [
+    "DRAIN_BYTES",
     "SSE_DONE",
     "ClientGone",
     "Receive",
@@ -28,30 +29,55 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: How far past the limit a body is still read before its 413. Clients send the
+#: whole body before they read the answer, and hypercorn closes a connection with
+#: the body unread, which resets it and can lose the 413 already sent; so a body
+#: a little over the limit is read to its end (Go's net/http drains as much).
+#: Past that the 413 goes at once, and the client may see only the reset.
+DRAIN_BYTES = 1 << 18
 
 
 class ClientGone(Exception):
     """The client disconnected before its request was read."""
 
 
+def _not_json(constant: str) -> NoReturn:
+    """``NaN`` and ``Infinity`` are Python's extensions, not JSON: refuse them."""
+    raise ValueError(f"{constant} is not a JSON value")
+
+
 async def read_json(scope: Scope, receive: Receive, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past ``limit`` bytes, 400 if not an object."""
+    """The request body as a JSON object; 413 past ``limit`` bytes, 400 if not an object.
+
+    A body past ``limit + DRAIN_BYTES`` (or declared so) gets its 413 at once.
+    JSON over HTTP is UTF-8 (RFC 8259), decoded strictly: ``json.loads`` on
+    bytes would guess UTF-16 or 32 too, and let a surrogate encoded in UTF-8
+    through as half a pair. Whatever the parser can raise on a body that fits
+    the limit is the client's fault: nesting too deep (``RecursionError``),
+    and every ``ValueError`` (bad UTF-8, bad syntax, ``NaN``/``Infinity``, an
+    integer past Python's digit limit for ``int()``).
+    """
+    too_large = HTTPError(413, f"request body over {limit} bytes")
     for name, value in scope.get("headers", ()):
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise HTTPError(413, f"request body over {limit} bytes")
+        if name == b"content-length" and value.isdigit() and int(value) > limit + DRAIN_BYTES:
+            raise too_large
     body = bytearray()
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
         body += message.get("body", b"")
-        if len(body) > limit:
-            raise HTTPError(413, f"request body over {limit} bytes")
+        if len(body) > limit + DRAIN_BYTES:
+            raise too_large
         if not message.get("more_body", False):
             break
+    if len(body) > limit:
+        raise too_large
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(body.decode("utf-8"), parse_constant=_not_json)
+    except RecursionError:
+        raise HTTPError(400, "malformed JSON body: nested too deeply") from None
+    except ValueError as exc:
         raise HTTPError(400, f"malformed JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise HTTPError(400, "the JSON body must be an object")

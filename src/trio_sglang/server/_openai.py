@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import reprlib
 import time
 import uuid
 from typing import Any
@@ -56,12 +58,16 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
             raise HTTPError(400, f"Unrecognized request argument supplied: {key}", param=key)
 
 
+# Values in messages go through reprlib: bounded in depth and length, so neither a value
+# nested close to the JSON parser's limit (RecursionError) nor a megabyte string gets in.
 def _int(body: dict[str, Any], key: str, *, low: int, default: int | None) -> int | None:
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise HTTPError(400, f"'{key}' must be an integer >= {low}, got {value!r}", param=key)
+        raise HTTPError(
+            400, f"'{key}' must be an integer >= {low}, got {reprlib.repr(value)}", param=key
+        )
     return value
 
 
@@ -69,9 +75,11 @@ def _number(body: dict[str, Any], key: str) -> float | None:
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise HTTPError(400, f"'{key}' must be a number, got {value!r}", param=key)
-    return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int past a float's range, as 10**400
+            if math.isfinite(number := float(value)):
+                return number
+    raise HTTPError(400, f"'{key}' must be a number, got {reprlib.repr(value)}", param=key)
 
 
 def _sampling(body: dict[str, Any], max_tokens: int | None) -> tuple[dict[str, Any], int]:
@@ -113,10 +121,10 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise HTTPError(400, "'stream' must be a bool", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
+    options = body.get("stream_options")
+    if not isinstance(options, dict | None):  # false, 0 and "" too: they are not options
         raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
-    include_usage = options.get("include_usage", False)
+    include_usage = (options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise HTTPError(
             400, "'stream_options.include_usage' must be a bool", param="stream_options"
@@ -258,11 +266,12 @@ def _chat_prompt(messages: object) -> str:
         raise HTTPError(400, "'messages' must be a non-empty list", param="messages")
     lines = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:  # a list or dict is unhashable
             raise HTTPError(
                 400, f"messages[{i}] needs a role in {sorted(_ROLES)}", param="messages"
             )
-        lines.append(f"{message['role']}: {_content_text(message.get('content'), i)}")
+        lines.append(f"{role}: {_content_text(message.get('content'), i)}")
     lines.append("assistant:")
     return "\n".join(lines)
 
