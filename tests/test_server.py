@@ -104,7 +104,12 @@ async def test_health_models_capabilities_and_metrics(start_server: StartServer)
     assert [m["id"] for m in models["data"]] == [MODEL]
     caps = (await client.get("/capabilities")).json()
     assert caps["schema_version"] == 1
-    assert caps["engine"] == {"kind": "sim", "sglang_version": "0.5.23"}
+    assert caps["engine"] == {
+        "kind": "sim",
+        "sglang_version": "0.5.23",
+        "disaggregation_mode": None,
+    }
+    assert caps["role"] == "aggregated"
     assert caps["features"]["cancel_before_first_output_v1"] is True
     metrics = (await client.get("/metrics")).text
     for name in (

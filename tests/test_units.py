@@ -269,7 +269,12 @@ def test_capabilities_shape() -> None:
     caps = build_capabilities(FULL_FEATURES)
     assert caps["schema_version"] == SCHEMA_VERSION == 1
     assert caps["package"] == {"name": "trio-sglang", "version": ts.__version__}
-    assert caps["engine"] == {"kind": "sim", "sglang_version": "0.5.23"}
+    assert caps["engine"] == {
+        "kind": "sim",
+        "sglang_version": "0.5.23",
+        "disaggregation_mode": None,
+    }
+    assert caps["role"] == "aggregated"
     assert json.loads(json.dumps(caps)) == caps
 
 
@@ -316,7 +321,40 @@ def test_sglang_version_is_none_unless_a_str(version: object) -> None:
 
 
 def test_engine_kind_defaults_to_unknown() -> None:
-    assert build_capabilities({})["engine"] == {"kind": "unknown", "sglang_version": None}
+    assert build_capabilities({})["engine"] == {
+        "kind": "unknown",
+        "sglang_version": None,
+        "disaggregation_mode": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("features", "role", "cancel_anytime"),
+    [
+        pytest.param(FULL_FEATURES, "aggregated", False, id="aggregated"),
+        pytest.param({**FULL_FEATURES, "disaggregation_mode": "prefill"}, "prefill", True),
+        pytest.param({**FULL_FEATURES, "disaggregation_mode": "decode"}, "decode", False),
+        pytest.param(
+            {**without("dispatch_timestamp"), "disaggregation_mode": "prefill"},
+            "prefill",
+            False,
+            id="prefill-without-dispatch-timestamp",
+        ),
+        pytest.param(
+            {**without("request_registry"), "disaggregation_mode": "prefill"},
+            "prefill",
+            False,
+            id="prefill-without-registry",
+        ),
+        pytest.param({**FULL_FEATURES, "disaggregation_mode": "null"}, "aggregated", False),
+    ],
+)
+def test_prefill_cancel_anytime_is_advertised_only_by_a_prefill_worker_that_has_it(
+    features: dict[str, object], role: str, cancel_anytime: bool
+) -> None:
+    caps = build_capabilities(features)
+    assert caps["role"] == role
+    assert caps["features"]["disagg_prefill_cancel_anytime_v1"] is cancel_anytime
 
 
 async def test_worker_capabilities_on_sim_engine(autojump_clock: trio.testing.MockClock) -> None:
@@ -324,7 +362,12 @@ async def test_worker_capabilities_on_sim_engine(autojump_clock: trio.testing.Mo
     async with ts.open_worker(engine) as worker:
         caps = worker.capabilities()
     assert caps == build_capabilities(engine.features())
-    assert caps["engine"] == {"kind": "sim", "sglang_version": "0.5.23"}
+    assert caps["engine"] == {
+        "kind": "sim",
+        "sglang_version": "0.5.23",
+        "disaggregation_mode": None,
+    }
+    assert caps["role"] == "aggregated"
     assert caps["engine"]["sglang_version"] == ts.SimEngine.SGLANG_VERSION
     assert caps["package"]["version"] == ts.__version__
     assert all(caps["features"][key] for key in (*LIFECYCLE_FEATURES, *ENGINE_FEATURES))

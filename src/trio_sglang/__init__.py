@@ -4,6 +4,7 @@ The public API lives here; the ``_modules`` behind it are private.
 """
 
 from ._context import RequestContext
+from ._disagg import InProcessPrefill, PrefillFailed, PrefillPeer, Role
 from ._engine import Engine, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import EngineFault
@@ -11,6 +12,7 @@ from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode
 from ._sglang_engine import SGLangEngine
+from ._sim_disagg import DisaggregationMode, KVRooms, RoomEvent, SimDisaggTiming, SimKVRooms
 from ._sim_engine import SimEngine
 from ._sim_trace import TraceEvent, TraceKind
 from ._version import __version__
@@ -18,18 +20,27 @@ from ._worker import ResponseStream, Worker, open_worker
 
 __all__ = [
     "AbortPolicy",
+    "DisaggregationMode",
     "Engine",
     "EngineError",
     "EngineFault",
     "EngineShutdown",
     "EngineStream",
+    "InProcessPrefill",
     "InvalidRequest",
+    "KVRooms",
     "OutputMode",
+    "PrefillFailed",
+    "PrefillPeer",
     "RequestContext",
     "RequestPhase",
     "ResponseStream",
+    "Role",
+    "RoomEvent",
     "SGLangEngine",
+    "SimDisaggTiming",
     "SimEngine",
+    "SimKVRooms",
     "TraceEvent",
     "TraceKind",
     "Worker",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._disagg import role_of
 from ._version import __version__
 
 __all__ = ["SCHEMA_VERSION", "build_capabilities"]
@@ -25,13 +26,18 @@ def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
     dispatch = features.get("dispatch_timestamp") is True
     release = features.get("release_on_close") is True
     version = features.get("sglang_version")
+    mode = features.get("disaggregation_mode")
+    role = role_of(features)
     return {
         "schema_version": SCHEMA_VERSION,
         "package": {"name": "trio-sglang", "version": __version__},
         "engine": {
             "kind": str(features.get("kind", "unknown")),
             "sglang_version": version if isinstance(version, str) else None,
+            "disaggregation_mode": mode if isinstance(mode, str) else None,
         },
+        # aggregated, prefill or decode (prefill/decode disaggregation).
+        "role": role,
         "features": {
             # Properties of the lifecycle itself, whatever the engine.
             "stream_closes_at_cancel_v1": True,
@@ -49,6 +55,10 @@ def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
             "parallel_sampling_cancel_v1": True,
             "native_batch_cancel_v1": True,
             "batch_parallel_sampling_v1": features.get("batch_parallel_sampling") is True,
+            # A prefill worker stops a cancelled prefill in any queue
+            # (bootstrap, waiting, prefilling, transferring): it has the
+            # ordered abort, which needs the registry and the dispatch mark.
+            "disagg_prefill_cancel_anytime_v1": role == "prefill" and registry and dispatch,
         },
         # How each kind of request is stopped; the key's suffix versions the
         # meaning of its value.

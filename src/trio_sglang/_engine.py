@@ -74,7 +74,8 @@ class Engine(Protocol):
         None), and bools: ``request_registry``, ``dispatch_timestamp``,
         ``abort_sent_flag``, ``release_on_close`` (closing the stream
         releases or aborts every state it created, children included) and
-        ``batch_parallel_sampling`` (``n > 1`` on a native batch).
+        ``batch_parallel_sampling`` (``n > 1`` on a native batch); and
+        ``disaggregation_mode`` (``None``, ``"prefill"`` or ``"decode"``).
         """
         ...
 

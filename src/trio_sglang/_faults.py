@@ -30,6 +30,7 @@ EngineFault = Literal[
     "abort_not_taken",  # the abort returned, but the engine kept the request
     "dispatch_timeout",  # still undispatched after ``dispatch_timeout``: not aborted
     "cleanup_timeout",  # the whole cleanup ran past ``cleanup_timeout``
+    "prefill_failed",  # a decode worker's prefill leg failed at its prefill worker
 ]
 
 

@@ -107,6 +107,7 @@ class SGLangEngine:
         except ImportError:
             version = None
         fields = {f.name for f in dataclasses.fields(ReqState)}
+        mode = getattr(getattr(self._tm, "server_args", None), "disaggregation_mode", None)
         return {
             "kind": "sglang",
             "sglang_version": version,
@@ -115,6 +116,8 @@ class SGLangEngine:
             "abort_sent_flag": "abort_sent" in fields,
             "release_on_close": hasattr(TokenizerManager, "_release_req_states_on_failure"),
             "batch_parallel_sampling": True,
+            # SGLang says "null" for an aggregated server.
+            "disaggregation_mode": mode if mode in ("prefill", "decode") else None,
         }
 
     def generate(self, request: Mapping[str, Any]) -> _SGLangStream:

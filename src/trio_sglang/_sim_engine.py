@@ -9,8 +9,15 @@ from typing import Any
 import trio
 
 from ._engine import RequestPhase
+from ._sim_disagg import (
+    DisaggregationMode,
+    KVRooms,
+    SimDecodeScheduler,
+    SimDisaggTiming,
+    SimPrefillScheduler,
+)
 from ._sim_scheduler import SimTiming
-from ._sim_tokenizer import SimStream, SimTokenizerManager
+from ._sim_tokenizer import SchedulerFactory, SimStream, SimTokenizerManager
 from ._sim_trace import Trace
 
 __all__ = ["SimEngine"]
@@ -34,8 +41,17 @@ class SimEngine:
     release path: a closed or cancelled stream leaves its states behind, so
     only an abort after dispatch stops the request; ``features()`` says so.
 
-    Introspection: ``trace`` (every event, see ``TraceEvent``) and
-    ``live_rids()`` (rids still registered or still at the scheduler).
+    Introspection: ``trace`` (every event, see ``TraceEvent``; and
+    ``trace.counts``, events per kind) and ``live_rids()`` (rids still
+    registered or still at the scheduler). ``keep_trace=False`` keeps the
+    counts but not the events, for a long-running server: otherwise the trace
+    grows by an event per token for as long as the process lives.
+
+    ``disaggregation_mode`` (``"prefill"`` or ``"decode"``, as SGLang's
+    server argument) makes it one side of a prefill/decode pair; the two
+    sides share a ``SimKVRooms`` (the bootstrap server and the KV transfer)
+    and their timing is ``disagg_timing`` (see ``_sim_disagg.py`` for the
+    queues and how each one takes an abort).
     """
 
     #: The SGLang release whose behaviour this models.
@@ -49,12 +65,38 @@ class SimEngine:
         first_token_delay: float = 0.05,
         token_interval: float = 0.02,
         release_on_close: bool = True,
+        keep_trace: bool = True,
+        disaggregation_mode: DisaggregationMode | None = None,
+        kv_rooms: KVRooms | None = None,
+        disagg_timing: SimDisaggTiming | None = None,
     ) -> None:
-        if not isinstance(release_on_close, bool):
-            raise ValueError(f"release_on_close must be a bool, got {release_on_close!r}")
+        for name, flag in (("release_on_close", release_on_close), ("keep_trace", keep_trace)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        if disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(
+                f"disaggregation_mode must be None, 'prefill' or 'decode', "
+                f"got {disaggregation_mode!r}"
+            )
+        if disaggregation_mode is not None and kv_rooms is None:
+            raise ValueError(
+                "a disaggregated SimEngine needs kv_rooms: one SimKVRooms shared "
+                "with its prefill or decode peer"
+            )
         self.timing = SimTiming(tokenize_delay, dispatch_delay, first_token_delay, token_interval)
-        self.trace = Trace()
-        self._tm = SimTokenizerManager(self.timing, self.trace, release_on_close)
+        self.disaggregation_mode = disaggregation_mode
+        self.disagg_timing = SimDisaggTiming() if disagg_timing is None else disagg_timing
+        self.trace = Trace(keep_events=keep_trace)
+        self._tm = SimTokenizerManager(
+            self.timing, self.trace, release_on_close, self._scheduler_factory(kv_rooms)
+        )
+
+    def _scheduler_factory(self, rooms: KVRooms | None) -> SchedulerFactory | None:
+        mode = self.disaggregation_mode
+        if mode is None or rooms is None:
+            return None
+        side = SimPrefillScheduler if mode == "prefill" else SimDecodeScheduler
+        return lambda sink: side(self.timing, self.disagg_timing, rooms, self.trace, sink)
 
     @property
     def tokenizer_manager(self) -> SimTokenizerManager:
@@ -89,6 +131,7 @@ class SimEngine:
             "abort_sent_flag": True,
             "release_on_close": self._tm.release_on_close,
             "batch_parallel_sampling": True,
+            "disaggregation_mode": self.disaggregation_mode,
         }
 
     def generate(self, request: Mapping[str, Any]) -> SimStream:

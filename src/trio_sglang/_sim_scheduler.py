@@ -76,7 +76,15 @@ class SimScheduler:
     def rids(self) -> set[str]:
         return set(self._requests)
 
-    def add_request(self, rid: str, seed: int, max_new_tokens: int) -> None:
+    def add_request(
+        self,
+        rid: str,
+        seed: int,
+        max_new_tokens: int,
+        prompt_tokens: int = 0,
+        room: int | None = None,
+    ) -> None:
+        """Start decoding ``rid`` (an aggregated engine ignores the prompt and the room)."""
         running = _Running(
             rid, seed, max_new_tokens, trio.current_time() + self._timing.first_token_delay
         )

@@ -28,10 +28,10 @@ from typing import Any
 import trio
 
 from ._engine import RequestPhase
-from ._sim_scheduler import VOCAB_SIZE, SimScheduler, SimTiming
+from ._sim_scheduler import VOCAB_SIZE, OutputSink, SimScheduler, SimTiming
 from ._sim_trace import Trace
 
-__all__ = ["SimStream", "SimTokenizerManager"]
+__all__ = ["SchedulerFactory", "SimStream", "SimTokenizerManager"]
 
 _WORDS = (
     "the a of to and in is it you that he was for on are with as I his they be at one have "
@@ -55,18 +55,33 @@ class ReqState:
     prompt_tokens: int
     max_new_tokens: int
     deliver: Deliver
+    room: int | None = None  # bootstrap_room, for prefill/decode disaggregation
     dispatch_time: float | None = None  # api_server_dispatch_finish_time
     abort_sent: bool = False
     completion_tokens: int = 0
 
 
+#: Builds the scheduler, given the path back to the tokenizer side.
+SchedulerFactory = Callable[[OutputSink], SimScheduler]
+
+
 class SimTokenizerManager:
-    def __init__(self, timing: SimTiming, trace: Trace, release_on_close: bool) -> None:
+    def __init__(
+        self,
+        timing: SimTiming,
+        trace: Trace,
+        release_on_close: bool,
+        make_scheduler: SchedulerFactory | None = None,
+    ) -> None:
         self.timing = timing
         self.trace = trace
         self.release_on_close = release_on_close
         self.rid_to_state: dict[str, ReqState] = {}
-        self.scheduler = SimScheduler(timing, trace, self._on_output)
+        self.scheduler = (
+            SimScheduler(timing, trace, self._on_output)
+            if make_scheduler is None
+            else make_scheduler(self._on_output)
+        )
         self.running = False
         self._waiters: dict[str, trio.lowlevel.ParkingLot] = {}
         self._streams: set[SimStream] = set()
@@ -122,7 +137,9 @@ class SimTokenizerManager:
     def dispatch(self, state: ReqState) -> None:
         state.dispatch_time = trio.current_time()
         self.trace.record("dispatched", state.rid)
-        self.scheduler.add_request(state.rid, state.seed, state.max_new_tokens)
+        self.scheduler.add_request(
+            state.rid, state.seed, state.max_new_tokens, state.prompt_tokens, state.room
+        )
         self._wake(state.rid)
 
     def release(self, state: ReqState) -> None:
@@ -276,6 +293,10 @@ class SimStream:
             self._new_state(r, i if multi else None, prompts[i // n], max_new[i // n])
             for i, r in enumerate(rids)
         ]
+        room = request.get("bootstrap_room")
+        rooms = room if isinstance(room, list) else [room] * len(prompts)
+        for i, state in enumerate(states):
+            state.room = rooms[i // n]
         for state in states:  # registration comes before any await
             self._tm.register(state)
         await trio.sleep(timing.tokenize_delay)
@@ -285,6 +306,7 @@ class SimStream:
             for i, state in enumerate(states):
                 self._tm.release(state)
                 child = self._new_state(uuid.uuid4().hex, i, prompts[i // n], state.max_new_tokens)
+                child.room = state.room
                 self._tm.register(child)
                 children.append(child)
             states = children

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,6 +20,13 @@ TraceKind = Literal[
     "abort_applied",  # the scheduler stopped a request it held
     "abort_lost",  # the scheduler got an abort that matched nothing
     "released",  # the tokenizer side dropped an undispatched state
+    # Prefill/decode disaggregation (detail: the bootstrap room, or the chunk size):
+    "bootstrapped",  # the two sides' handshake on the room is done
+    "prefill_chunk",  # the prefill side ran one chunk's forward
+    "kv_sent",  # the prefill side finished sending the KV cache
+    "kv_received",  # the decode side has the KV cache and starts decoding
+    "kv_failed",  # the prefill side dropped a request whose decode side aborted
+    "kv_timeout",  # the decode side gave up waiting for the KV cache
 ]
 
 
@@ -31,10 +39,23 @@ class TraceEvent:
 
 
 class Trace(list[TraceEvent]):
-    """A list of ``TraceEvent``, stamped with the trio clock as they happen."""
+    """A list of ``TraceEvent``, stamped with the trio clock as they happen.
+
+    ``counts`` (events per kind) is always kept. The events themselves are
+    kept unless ``keep_events`` is false: a test or benchmark reads them
+    afterwards, but a long-running server would grow the list without bound
+    (and every full garbage collection would walk it), so it keeps counts only.
+    """
+
+    def __init__(self, *, keep_events: bool = True) -> None:
+        super().__init__()
+        self.keep_events = keep_events
+        self.counts: Counter[TraceKind] = Counter()
 
     def record(self, kind: TraceKind, rid: str, detail: str = "") -> None:
-        self.append(TraceEvent(trio.current_time(), kind, rid, detail))
+        self.counts[kind] += 1
+        if self.keep_events:
+            self.append(TraceEvent(trio.current_time(), kind, rid, detail))
 
     def of(self, rid: str) -> list[TraceEvent]:
         """The events of one rid, in order."""

@@ -30,6 +30,7 @@ import trio
 from ._capabilities import build_capabilities
 from ._cleanup import EngineCleanup, EngineRequest
 from ._context import RequestContext
+from ._disagg import CANCEL_ANYTIME, PrefillLeg, PrefillPeer, bootstrap_fields, role_of
 from ._engine import Engine
 from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import FaultLog
@@ -169,12 +170,18 @@ class Worker:
         policy: AbortPolicy,
         nursery: trio.Nursery,
         observer: WorkerObserver | None = None,
+        prefill: PrefillPeer | None = None,
+        prefill_cancel_anytime: bool = False,
     ) -> None:
         self._engine = engine
         self._policy = policy
         self._observer = observer
         self._nursery = nursery
         self._features = dict(engine.features())
+        self._role = role_of(self._features)
+        self._prefill = prefill
+        self._prefill_cancel_anytime = prefill_cancel_anytime
+        self._prefill_legs: set[PrefillLeg] = set()
         self._faults = FaultLog(observer)
         self._engine_cleanup = EngineCleanup(engine, policy, self._faults)
         self._open: set[ResponseStream] = set()
@@ -231,6 +238,7 @@ class Worker:
                 "this engine cannot run parallel sampling (n > 1) on a native batch; "
                 "send one prompt per request"
             )
+        bootstrap = bootstrap_fields(self._role, parsed, self._prefill)
         if self._closing:
             raise EngineShutdown("the worker is shutting down")
         # One minted rid, or one per prompt for a batch: all 32 hex digits,
@@ -238,7 +246,7 @@ class Worker:
         rids = tuple(mint_rid() for _ in range(parsed.rid_count))
         ids = PublicIds.for_request(parsed, ctx.id)
         engine_request = EngineRequest(
-            self._engine.generate(parsed.engine_request(rids)),
+            self._engine.generate({**parsed.engine_request(rids), **(bootstrap or {})}),
             ids.request,
             rids if parsed.stable_ids else (),
         )
@@ -257,6 +265,12 @@ class Worker:
         )
         scope = trio.CancelScope()
         stream = ResponseStream(self, engine_request, pump, ids, parsed.output, scope)
+        leg = None
+        if bootstrap is not None and self._prefill is not None:
+            leg = PrefillLeg(
+                self._prefill, {**parsed.body, **bootstrap}, ids.request, rids, scope, self._faults
+            )
+            self._start_prefill_leg(leg)
         self._open.add(stream)
         ctx._attach(scope)
         try:
@@ -266,7 +280,13 @@ class Worker:
             ctx._detach(scope)
             self._open.discard(stream)
             stream._close()
+            if leg is not None:
+                self._end_prefill_leg(leg)
             self._maybe_quiet()
+        if leg is not None and leg.error is not None:
+            raise EngineError(
+                f"the prefill of {ids.request} failed ({type(leg.error).__name__})"
+            ) from leg.error
         if stream._shutdown and scope.cancelled_caught:
             raise EngineShutdown("the worker shut down while the stream was open") from None
 
@@ -276,6 +296,28 @@ class Worker:
         if self._nursery_closed:
             raise EngineShutdown("the worker has shut down")
         self._nursery.start_soon(pump.run)
+
+    def _start_prefill_leg(self, leg: PrefillLeg) -> None:
+        if self._nursery_closed:
+            raise EngineShutdown("the worker has shut down")
+        self._prefill_legs.add(leg)
+        self._nursery.start_soon(self._run_prefill_leg, leg)
+
+    async def _run_prefill_leg(self, leg: PrefillLeg) -> None:
+        try:
+            await leg.run()
+        finally:
+            self._prefill_legs.discard(leg)
+            self._maybe_quiet()
+
+    def _end_prefill_leg(self, leg: PrefillLeg) -> None:
+        """The request is over: stop its prefill leg, or bound it if the peer cannot stop."""
+        if self._prefill_cancel_anytime or self._cancel_cleanups:
+            leg.scope.cancel()
+        else:
+            leg.scope.deadline = min(
+                leg.scope.deadline, trio.current_time() + self._policy.cleanup_timeout
+            )
 
     def _hand_over(self, request: EngineRequest) -> None:
         if self._nursery_closed:
@@ -364,7 +406,12 @@ class Worker:
     # -- shutdown ------------------------------------------------------------
 
     def _maybe_quiet(self) -> None:
-        if self._quiet is not None and not self._open and not self._pending_cleanups:
+        if (
+            self._quiet is not None
+            and not self._open
+            and not self._pending_cleanups
+            and not self._prefill_legs
+        ):
             self._quiet.set()
 
     async def _shutdown(self) -> None:
@@ -379,15 +426,24 @@ class Worker:
         self._cancel_cleanups = True
         for scope in self._cleanups:
             scope.cancel()
+        for leg in self._prefill_legs:
+            leg.scope.cancel()
 
 
 @asynccontextmanager
 async def open_worker(
-    engine: Engine, *, policy: AbortPolicy | None = None, observer: WorkerObserver | None = None
+    engine: Engine,
+    *,
+    policy: AbortPolicy | None = None,
+    observer: WorkerObserver | None = None,
+    prefill: PrefillPeer | None = None,
 ) -> AsyncIterator[Worker]:
     """Run ``engine`` and a worker over it for the life of the block.
 
     ``observer``, if given, hears how each engine-side cleanup went (metrics).
+    ``prefill``, for an engine in decode mode, is the prefill worker that
+    runs the prefill legs of requests that come without bootstrap fields
+    (see ``_disagg.py``).
 
     On exit, open streams get ``EngineShutdown``, pending cleanup gets
     ``policy.shutdown_grace`` seconds and is then cancelled, and only after
@@ -398,9 +454,12 @@ async def open_worker(
     policy = AbortPolicy() if policy is None else policy
     if not isinstance(policy, AbortPolicy):
         raise TypeError(f"policy must be an AbortPolicy, got {type(policy).__name__}")
+    if prefill is not None and role_of(engine.features()) != "decode":
+        raise ValueError("prefill= is for a worker whose engine is in decode mode")
     async with engine.running():
+        cancel_anytime = prefill is not None and await _cancels_anytime(prefill, policy)
         async with trio.open_nursery() as nursery:
-            worker = Worker(engine, policy, nursery, observer)
+            worker = Worker(engine, policy, nursery, observer, prefill, cancel_anytime)
             try:
                 yield worker
             finally:
@@ -415,3 +474,19 @@ async def open_worker(
                 worker._cancelled_at_shutdown,
                 policy.shutdown_grace,
             )
+
+
+async def _cancels_anytime(peer: PrefillPeer, policy: AbortPolicy) -> bool:
+    """Whether ``peer`` advertises that a cancel stops its prefill in any queue."""
+    with trio.fail_after(policy.dispatch_timeout):
+        capabilities = await peer.capabilities()
+    features = capabilities.get("features")
+    if isinstance(features, Mapping) and features.get(CANCEL_ANYTIME) is True:
+        return True
+    logger.warning(
+        "prefill worker %s does not advertise %s: cancels are not sent to it, and the "
+        "prefill of a cancelled request runs to its end there (bounded by cleanup_timeout)",
+        peer.name,
+        CANCEL_ANYTIME,
+    )
+    return False

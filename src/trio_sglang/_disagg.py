@@ -1,0 +1,218 @@
+"""Prefill/decode disaggregation in the worker: roles, the prefill peer, the prefill leg.
+
+A worker's role follows its engine's ``disaggregation_mode``:
+
+- *aggregated*: what it always was;
+- *prefill*: each request is a prefill leg (it must carry its
+  ``bootstrap_room``); the lifecycle is the aggregated one, so a cancel stops
+  it in any queue (bootstrap, waiting, prefilling, transferring), which is
+  what ``disagg_prefill_cancel_anytime_v1`` advertises;
+- *decode*: a request that already carries its bootstrap fields (a router
+  ran its prefill leg) is decoded as is; one that does not gets a fresh
+  ``bootstrap_room`` and runs its prefill leg at the worker's ``PrefillPeer``
+  beside its decode leg, both under the request's one cancel scope.
+
+Why both legs must stop together (SGLANG_FACTS, and ai-dynamo/dynamo #13691,
+#14368): aborting the prefill side does not tell the decode side, which then
+holds its KV cache waiting for the transfer until its timeout (300 s); and a
+prefill whose client left keeps the prefill GPU busy and delays every
+request queued behind it. A prefill peer that does not advertise
+``disagg_prefill_cancel_anytime_v1`` is not cancelled (its prefill runs to
+its end, bounded, and the worker says so once in its logs).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import trio
+
+from ._context import RequestContext
+from ._errors import InvalidRequest
+from ._faults import FaultLog
+from ._request import ParsedRequest
+
+if TYPE_CHECKING:
+    from ._worker import Worker
+
+__all__ = [
+    "CANCEL_ANYTIME",
+    "InProcessPrefill",
+    "PrefillFailed",
+    "PrefillLeg",
+    "PrefillPeer",
+    "Role",
+    "bootstrap_fields",
+    "role_of",
+]
+
+logger = logging.getLogger("trio_sglang")
+
+Role = Literal["aggregated", "prefill", "decode"]
+
+#: The capability a prefill worker advertises when a cancel stops it in any queue.
+CANCEL_ANYTIME = "disagg_prefill_cancel_anytime_v1"
+
+_BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+class PrefillFailed(Exception):
+    """The prefill worker ended the prefill leg with an error or an abort."""
+
+
+class PrefillPeer(Protocol):
+    """Where a decode worker runs the prefill legs of its requests: a prefill worker."""
+
+    #: For logs: which prefill worker this is.
+    name: str
+    #: Where the decode engine reaches the prefill side's bootstrap server.
+    bootstrap_host: str
+    bootstrap_port: int
+
+    async def capabilities(self) -> Mapping[str, Any]:
+        """The prefill worker's ``capabilities()``."""
+        ...
+
+    async def prefill(self, request: Mapping[str, Any], public_id: str) -> None:
+        """Run one prefill leg to its end; raise ``PrefillFailed`` if it did not succeed.
+
+        Cancelling the call cancels the leg at the prefill worker.
+        """
+        ...
+
+
+class InProcessPrefill:
+    """A prefill worker in this trio run (tests, benchmarks, one-process pairs)."""
+
+    def __init__(
+        self, worker: Worker, *, bootstrap_host: str = "127.0.0.1", bootstrap_port: int = 8998
+    ) -> None:
+        self.name = f"in-process {worker.engine!r}"
+        self.bootstrap_host = bootstrap_host
+        self.bootstrap_port = bootstrap_port
+        self._worker = worker
+
+    async def capabilities(self) -> Mapping[str, Any]:
+        await trio.lowlevel.checkpoint()
+        return self._worker.capabilities()
+
+    async def prefill(self, request: Mapping[str, Any], public_id: str) -> None:
+        reason: object = None
+        ctx = RequestContext(public_id)
+        async with self._worker.generate(request, ctx, output="native") as outputs:
+            async for out in outputs:
+                reason = out["meta_info"]["finish_reason"]
+        if not isinstance(reason, dict) or reason.get("type") != "length":
+            raise PrefillFailed(f"the prefill worker ended the leg with {reason!r}")
+
+
+def role_of(features: Mapping[str, object]) -> Role:
+    mode = features.get("disaggregation_mode")
+    return mode if mode in ("prefill", "decode") else "aggregated"
+
+
+def bootstrap_fields(
+    role: Role, parsed: ParsedRequest, peer: PrefillPeer | None
+) -> dict[str, Any] | None:
+    """Check a request against the worker's role; the bootstrap fields of a new prefill leg.
+
+    ``None`` when the request runs on this worker's engine alone.
+    """
+    given = [name for name in _BOOTSTRAP_FIELDS if parsed.body.get(name) is not None]
+    if role == "aggregated":
+        return None
+    if given or role == "prefill":
+        _check_bootstrap(parsed, role)
+        return None
+    if peer is None:
+        raise InvalidRequest(
+            "a decode worker without a prefill peer needs the request's bootstrap_host, "
+            "bootstrap_port and bootstrap_room (from the router that ran its prefill)"
+        )
+    if not parsed.single_sample:
+        raise InvalidRequest(
+            "a disaggregated request must be one prompt with n = 1 "
+            "(the worker pairs its two legs by one bootstrap room)"
+        )
+    return {
+        "bootstrap_host": peer.bootstrap_host,
+        "bootstrap_port": peer.bootstrap_port,
+        # Random 63 bits, as SGLang's router picks them.
+        "bootstrap_room": secrets.randbits(63),
+    }
+
+
+def _check_bootstrap(parsed: ParsedRequest, role: Role) -> None:
+    room = parsed.body.get("bootstrap_room")
+    rooms = room if isinstance(room, list) and parsed.batch_size is not None else [room]
+    if parsed.batch_size is not None and len(rooms) != parsed.batch_size:
+        raise InvalidRequest("bootstrap_room must be one room per prompt of a native batch")
+    for value in rooms:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+            raise InvalidRequest(
+                f"a {role} worker needs bootstrap_room, an int in [0, 2**63), "
+                f"got {type(value).__name__}"
+            )
+    host = parsed.body.get("bootstrap_host")
+    if host is not None and not isinstance(host, str):
+        raise InvalidRequest(f"bootstrap_host must be a string, got {type(host).__name__}")
+    port = parsed.body.get("bootstrap_port")
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
+        raise InvalidRequest("bootstrap_port must be an int in [1, 65535]")
+
+
+class PrefillLeg:
+    """One request's prefill leg, run by the worker beside the request's decode leg.
+
+    It runs in the worker's nursery, in its own ``scope``: the worker cancels
+    that scope when the request ends, however it ends (if the peer can be
+    cancelled at any time), or gives it ``cleanup_timeout`` to finish (if
+    not), and cancels it at shutdown after the grace. If the leg fails while
+    the request is open, the decode leg can never get its KV cache: the leg
+    cancels the request's scope (the caller's stream closes, and the decode
+    leg stops as for a cancel) and ``error`` says why.
+    """
+
+    def __init__(
+        self,
+        peer: PrefillPeer,
+        request: Mapping[str, Any],
+        public_id: str,
+        rids: tuple[str, ...],
+        request_scope: trio.CancelScope,
+        faults: FaultLog,
+    ) -> None:
+        self._peer = peer
+        self._request = request
+        self._public_id = public_id
+        self._rids = rids
+        self._request_scope = request_scope
+        self._faults = faults
+        self.scope = trio.CancelScope()
+        #: Set when the leg failed while the request was still open.
+        self.error: Exception | None = None
+
+    async def run(self) -> None:
+        with self.scope:
+            try:
+                await self._peer.prefill(self._request, self._public_id)
+            except Exception as exc:
+                if self._request_scope.cancel_called:
+                    # The request was over: a prefill failing now (its decode
+                    # side aborted) is the expected end, not a fault.
+                    logger.debug("prefill leg of %s ended with %r", self._public_id, exc)
+                    return
+                self._faults.report(
+                    "prefill_failed",
+                    self._public_id,
+                    self._rids,
+                    f"the prefill leg at {self._peer.name} "
+                    f"(room {self._request['bootstrap_room']}) failed: {exc!r}",
+                )
+                self.error = exc
+                self._request_scope.cancel()

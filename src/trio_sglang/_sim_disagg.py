@@ -1,0 +1,372 @@
+"""The SimEngine's prefill/decode disaggregation: SGLang 0.5.23's queues and their aborts.
+
+A disaggregated request runs twice, once on a prefill engine and once on a
+decode engine, paired by its ``bootstrap_room``. What is modelled, from
+SGLang's ``srt/disaggregation/prefill.py`` and ``decode.py``:
+
+Prefill (``max_new_tokens`` forced to 1): the *bootstrap* queue waits for the
+decode side's handshake on the room; the *waiting* queue holds it until the
+one forward loop is free (a prefill GPU runs one forward at a time, so a
+dead request ahead delays every later one); *prefilling* runs the prompt in
+chunks; *transferring* sends the KV cache. It then answers with one token
+and ``{"type": "length", "length": 0}``. An abort in bootstrap or transfer
+fails the room (500); in waiting it is removed (echoed); while prefilling it
+takes effect only after the current chunk's forward. None of these tells
+the decode side, which keeps waiting for the KV cache until its timeout.
+
+Decode: the *prealloc* queue makes the handshake (``bootstrap_delay``); the
+*transfer* queue waits for the KV cache (at most ``kv_wait_timeout``, 300 s
+in SGLang); then it decodes as an aggregated engine does, its first token
+``first_token_delay`` after the KV cache arrived. An abort in prealloc or
+transfer fails the room and notifies the prefill side, which drops the
+request if it is still bootstrapping and otherwise notices only when it
+tries to transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import trio
+
+from ._sim_scheduler import OutputSink, SimScheduler, SimTiming
+from ._sim_trace import Trace, TraceKind
+
+__all__ = [
+    "DisaggregationMode",
+    "KVRooms",
+    "RoomEvent",
+    "SimDecodeScheduler",
+    "SimDisaggTiming",
+    "SimKVRooms",
+    "SimPrefillScheduler",
+]
+
+DisaggregationMode = Literal["prefill", "decode"]
+RoomEvent = Literal["decode_ready", "kv_sent", "decode_aborted"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimDisaggTiming:
+    """Seconds on the trio clock, and the prefill's chunk size in prompt tokens."""
+
+    #: Prefill compute per prompt token.
+    prefill_time_per_token: float = 0.0001
+    #: Prompt tokens per prefill forward (SGLang's chunked prefill).
+    prefill_chunk_tokens: int = 256
+    #: The decode side's handshake with the prefill side's bootstrap server.
+    bootstrap_delay: float = 0.002
+    #: Sending the KV cache from prefill to decode.
+    kv_transfer_delay: float = 0.005
+    #: How long decode waits for a KV cache (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
+    kv_wait_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if name == "prefill_chunk_tokens":
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            else:
+                ok = (
+                    isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)
+                    and value >= 0
+                )
+            if not ok:
+                raise ValueError(f"{name} must be a number >= 0 (chunk >= 1), got {value!r}")
+
+
+@dataclass(slots=True)
+class _Room:
+    events: set[RoomEvent] = field(default_factory=set)
+    lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    #: Sides that are done with the room; it is forgotten when both are.
+    done: int = 0
+
+
+class KVRooms(Protocol):
+    """What the two sides of a pair know of each other, keyed by bootstrap room.
+
+    In SGLang the prefill side hosts the bootstrap server and the KV cache
+    goes from GPU to GPU; here a room collects the events that matter to
+    aborts: the decode side's handshake, the KV cache sent, and the decode
+    side's abort notification.
+    """
+
+    def post(self, room: int, event: RoomEvent) -> None:
+        """Record ``event`` for ``room`` and wake whoever waits for it."""
+        ...
+
+    def happened(self, room: int, event: RoomEvent) -> bool: ...
+
+    async def wait(self, room: int, wanted: frozenset[RoomEvent]) -> frozenset[RoomEvent]:
+        """Those of ``wanted`` that have happened to ``room``, once one has; unbounded."""
+        ...
+
+    def side_done(self, room: int) -> None:
+        """One side is done with ``room``; it is forgotten once both are."""
+        ...
+
+
+class SimKVRooms:
+    """``KVRooms`` in one process: share one between a prefill and a decode ``SimEngine``."""
+
+    def __init__(self) -> None:
+        self._rooms: dict[int, _Room] = {}
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def post(self, room: int, event: RoomEvent) -> None:
+        state = self._rooms.setdefault(room, _Room())
+        state.events.add(event)
+        state.lot.unpark_all()
+
+    def happened(self, room: int, event: RoomEvent) -> bool:
+        state = self._rooms.get(room)
+        return state is not None and event in state.events
+
+    async def wait(self, room: int, wanted: frozenset[RoomEvent]) -> frozenset[RoomEvent]:
+        """Those of ``wanted`` that have happened to ``room``, once one has; unbounded."""
+        state = self._rooms.setdefault(room, _Room())
+        while not (state.events & wanted):
+            await state.lot.park()
+        return frozenset(state.events & wanted)
+
+    def side_done(self, room: int) -> None:
+        state = self._rooms.get(room)
+        if state is None:
+            return
+        state.done += 1
+        if state.done >= 2:
+            del self._rooms[room]
+
+
+@dataclass(slots=True, eq=False)
+class _Staged:
+    rid: str
+    seed: int
+    max_new_tokens: int
+    prompt_tokens: int
+    room: int
+    stage: str
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    abort_pending: bool = False
+
+
+class _DisaggScheduler(SimScheduler):
+    """Requests go through this side's queues before (or instead of) decoding."""
+
+    def __init__(
+        self,
+        timing: SimTiming,
+        disagg: SimDisaggTiming,
+        rooms: KVRooms,
+        trace: Trace,
+        sink: OutputSink,
+    ) -> None:
+        super().__init__(timing, trace, sink)
+        self._disagg = disagg
+        self._rooms = rooms
+        self._staged: dict[str, _Staged] = {}
+        self._stages: trio.Nursery | None = None
+
+    def holds(self, rid: str) -> bool:
+        return rid in self._staged or super().holds(rid)
+
+    def rids(self) -> set[str]:
+        return set(self._staged) | super().rids()
+
+    def add_request(
+        self,
+        rid: str,
+        seed: int,
+        max_new_tokens: int,
+        prompt_tokens: int = 0,
+        room: int | None = None,
+    ) -> None:
+        if room is None:
+            # What SGLang's scheduler answers a disaggregated request without a room.
+            self._trace.record("abort_applied", rid, "no bootstrap room")
+            self._sink(
+                rid,
+                [],
+                _abort(
+                    "Invalid request: Disaggregated request received without bootstrap room id.",
+                    400,
+                ),
+            )
+            return
+        staged = _Staged(rid, seed, max_new_tokens, prompt_tokens, room, self._first_stage)
+        self._staged[rid] = staged
+        assert self._stages is not None, "the scheduler runs while the engine does"
+        self._stages.start_soon(self._run_stages, staged)
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as self._stages:
+            await super().run()
+
+    def _matching(self, prefix: str) -> list[str]:
+        return [rid for rid in self._staged if rid.startswith(prefix)]
+
+    def abort(self, prefix: str) -> None:
+        staged = self._matching(prefix)
+        if not staged:
+            super().abort(prefix)
+            return
+        for rid in staged:
+            self._abort_staged(self._staged[rid])
+
+    def _end_staged(self, staged: _Staged, reason: dict[str, Any], token: list[int]) -> None:
+        del self._staged[staged.rid]
+        staged.scope.cancel()
+        self._rooms.side_done(staged.room)
+        self._sink(staged.rid, token, reason)
+
+    def _aborted(self, staged: _Staged, reason: dict[str, Any]) -> None:
+        self._trace.record("abort_applied", staged.rid, staged.stage)
+        self._end_staged(staged, reason, [])
+
+    _first_stage: str
+
+    async def _run_stages(self, staged: _Staged) -> None:
+        raise NotImplementedError
+
+    def _abort_staged(self, staged: _Staged) -> None:
+        raise NotImplementedError
+
+
+class SimPrefillScheduler(_DisaggScheduler):
+    _first_stage = "bootstrap"
+
+    def __init__(
+        self,
+        timing: SimTiming,
+        disagg: SimDisaggTiming,
+        rooms: KVRooms,
+        trace: Trace,
+        sink: OutputSink,
+    ) -> None:
+        super().__init__(timing, disagg, rooms, trace, sink)
+        self._waiting: deque[_Staged] = deque()
+        self._forward_free = trio.lowlevel.ParkingLot()
+        self._forwarding: _Staged | None = None
+
+    async def _run_stages(self, staged: _Staged) -> None:
+        with staged.scope:
+            events = await self._rooms.wait(
+                staged.room, frozenset({"decode_ready", "decode_aborted"})
+            )
+            if "decode_aborted" in events:
+                self._failed(staged, "Prefill bootstrap failed", "decode aborted", "kv_failed")
+                return
+            self._trace.record("bootstrapped", staged.rid, str(staged.room))
+            staged.stage = "waiting"
+            self._waiting.append(staged)
+            while self._forwarding is not None or self._waiting[0] is not staged:
+                await self._forward_free.park()
+            self._waiting.popleft()
+            self._forwarding = staged
+            staged.stage = "prefilling"
+            try:
+                await self._prefill(staged)
+            finally:
+                self._forwarding = None
+                self._forward_free.unpark_all()
+            if staged.abort_pending:
+                self._aborted(staged, _abort("Aborted", None))
+                return
+            staged.stage = "transferring"
+            if self._rooms.happened(staged.room, "decode_aborted"):
+                self._failed(staged, "Prefill transfer failed", "decode aborted", "kv_failed")
+                return
+            await trio.sleep(self._disagg.kv_transfer_delay)
+            self._rooms.post(staged.room, "kv_sent")
+            self._trace.record("kv_sent", staged.rid, str(staged.room))
+            token = (staged.seed + 7919) % 64
+            self._trace.record("finished", staged.rid)
+            self._end_staged(staged, {"type": "length", "length": 0}, [token])
+
+    async def _prefill(self, staged: _Staged) -> None:
+        """One forward per chunk; an abort is seen only between forwards."""
+        left = staged.prompt_tokens
+        while left > 0 and not staged.abort_pending:
+            chunk = min(left, self._disagg.prefill_chunk_tokens)
+            await trio.sleep(chunk * self._disagg.prefill_time_per_token)
+            left -= chunk
+            self._trace.record("prefill_chunk", staged.rid, str(chunk))
+
+    def _abort_staged(self, staged: _Staged) -> None:
+        if staged.stage == "bootstrap":
+            self._failed(staged, "Prefill bootstrap failed", "Aborted by AbortReq.")
+        elif staged.stage == "waiting":
+            self._waiting.remove(staged)
+            self._forward_free.unpark_all()
+            self._aborted(staged, _abort("Abort in waiting queue", None))
+        elif staged.stage == "prefilling":
+            staged.abort_pending = True  # applied after this chunk's forward
+        else:
+            self._failed(staged, "Prefill transfer failed", "Aborted by AbortReq.")
+
+    def _failed(
+        self, staged: _Staged, what: str, why: str, kind: TraceKind = "abort_applied"
+    ) -> None:
+        message = (
+            f"{what} for request rank=0 req.rid={staged.rid} "
+            f"req.bootstrap_room={staged.room} with exception "
+            f"KVTransferError(bootstrap_room={staged.room}): {why}"
+        )
+        self._trace.record(kind, staged.rid, staged.stage)
+        self._end_staged(staged, _abort(message, 500), [])
+
+
+class SimDecodeScheduler(_DisaggScheduler):
+    _first_stage = "prealloc"
+
+    async def _run_stages(self, staged: _Staged) -> None:
+        with staged.scope:
+            await trio.sleep(self._disagg.bootstrap_delay)
+            self._rooms.post(staged.room, "decode_ready")
+            self._trace.record("bootstrapped", staged.rid, str(staged.room))
+            staged.stage = "transfer"
+            with trio.move_on_after(self._disagg.kv_wait_timeout):
+                await self._rooms.wait(staged.room, frozenset({"kv_sent"}))
+                self._trace.record("kv_received", staged.rid, str(staged.room))
+                del self._staged[staged.rid]
+                self._rooms.side_done(staged.room)
+                SimScheduler.add_request(self, staged.rid, staged.seed, staged.max_new_tokens)
+                return
+            self._trace.record("kv_timeout", staged.rid, str(staged.room))
+            timeout = self._disagg.kv_wait_timeout
+            self._end_staged(
+                staged,
+                _abort(
+                    f"Decode transfer failed for request rank=0 req.rid={staged.rid} "
+                    f"req.bootstrap_room={staged.room} with exception KVTransferError("
+                    f"bootstrap_room={staged.room}): Request {staged.room} timed out after "
+                    f"{timeout}s in KVPoll.WaitingForInput",
+                    500,
+                ),
+                [],
+            )
+
+    def _abort_staged(self, staged: _Staged) -> None:
+        self._rooms.post(staged.room, "decode_aborted")  # the AbortNotification
+        what = "Decode handshake failed" if staged.stage == "prealloc" else "Decode transfer failed"
+        self._aborted(
+            staged,
+            _abort(
+                f"{what} for request rank=0 req.rid={staged.rid} "
+                f"req.bootstrap_room={staged.room} with exception KVTransferError("
+                f"bootstrap_room={staged.room}): Aborted by AbortReq.",
+                500,
+            ),
+        )
+
+
+def _abort(message: str, status_code: int | None) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": status_code}
