@@ -196,13 +196,18 @@ class PrefillLeg:
         self.scope = trio.CancelScope()
         #: Set when the leg failed while the request was still open.
         self.error: Exception | None = None
+        self._request_over = False
+
+    def request_ended(self) -> None:
+        """The caller's block is over: a failure from now on concerns nobody."""
+        self._request_over = True
 
     async def run(self) -> None:
         with self.scope:
             try:
                 await self._peer.prefill(self._request, self._public_id)
             except Exception as exc:
-                if self._request_scope.cancel_called:
+                if self._request_over or self._request_scope.cancel_called:
                     # The request was over: a prefill failing now (its decode
                     # side aborted) is the expected end, not a fault.
                     logger.debug("prefill leg of %s ended with %r", self._public_id, exc)

@@ -221,13 +221,21 @@ class _DisaggScheduler(SimScheduler):
         for rid in staged:
             self._abort_staged(self._staged[rid])
 
+    def _holds(self, staged: _Staged) -> bool:
+        """Whether ``staged`` is still here (an abort and a wake-up can meet in one tick)."""
+        return self._staged.get(staged.rid) is staged
+
     def _end_staged(self, staged: _Staged, reason: dict[str, Any], token: list[int]) -> None:
+        if not self._holds(staged):
+            return
         del self._staged[staged.rid]
         staged.scope.cancel()
         self._rooms.side_done(staged.room)
         self._sink(staged.rid, token, reason)
 
     def _aborted(self, staged: _Staged, reason: dict[str, Any]) -> None:
+        if not self._holds(staged):
+            return
         self._trace.record("abort_applied", staged.rid, staged.stage)
         self._end_staged(staged, reason, [])
 
@@ -320,6 +328,8 @@ class SimPrefillScheduler(_DisaggScheduler):
             f"req.bootstrap_room={staged.room} with exception "
             f"KVTransferError(bootstrap_room={staged.room}): {why}"
         )
+        if not self._holds(staged):
+            return
         self._trace.record(kind, staged.rid, staged.stage)
         self._end_staged(staged, _abort(message, 500), [])
 
@@ -335,6 +345,8 @@ class SimDecodeScheduler(_DisaggScheduler):
             staged.stage = "transfer"
             with trio.move_on_after(self._disagg.kv_wait_timeout):
                 await self._rooms.wait(staged.room, frozenset({"kv_sent"}))
+                if not self._holds(staged):
+                    return
                 self._trace.record("kv_received", staged.rid, str(staged.room))
                 del self._staged[staged.rid]
                 self._rooms.side_done(staged.room)

@@ -312,6 +312,7 @@ class Worker:
 
     def _end_prefill_leg(self, leg: PrefillLeg) -> None:
         """The request is over: stop its prefill leg, or bound it if the peer cannot stop."""
+        leg.request_ended()
         if self._prefill_cancel_anytime or self._cancel_cleanups:
             leg.scope.cancel()
         else:
