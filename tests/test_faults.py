@@ -22,7 +22,6 @@ import trio.testing
 import trio_sglang as ts
 from _readme import readme_block
 from trio_sglang.server import ServerMetrics, serve
-
 from trio_sglang.testing import Faults, FaultyEngine
 
 FAULTY: dict[str, Any] = {"text": "faulty", "sampling_params": {"max_new_tokens": 50}}

@@ -62,9 +62,10 @@ from typing import Any, Literal
 import pytest
 import trio
 import trio.testing
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given, settings
 
 import trio_sglang as ts
+from _fuzz import FUZZ_ENV, fuzz_settings
 from _strategies import (
     COUNTED,
     LINGERING,
@@ -77,7 +78,6 @@ from _strategies import (
 )
 from trio_sglang._sim_tokenizer import ReqState, SimStream
 
-FUZZ_ENV = "TRIO_SGLANG_FUZZ_EXAMPLES"
 #: Examples per test in CI: fixed, derandomized, at least 1,000 in all.
 CI_EXAMPLES = {"test_lifecycle_fuzz": 1000, "test_shutdown_fuzz": 250}
 #: Bounds that no cleanup in these examples can reach: the slowest
@@ -96,19 +96,8 @@ HEX32 = re.compile(r"[0-9a-f]{32}")
 ConsumerState = Literal["before_open", "before_pull", "in_pull", "between_chunks", "drained"]
 
 
-def fuzz_settings(test_name: str) -> settings:
-    """CI's fixed budget, or ``FUZZ_ENV`` examples shared in proportion to it."""
-    common: dict[str, Any] = {
-        "deadline": None,
-        "suppress_health_check": [HealthCheck.too_slow],
-    }
-    requested = os.environ.get(FUZZ_ENV)
-    if not requested:
-        return settings(
-            max_examples=CI_EXAMPLES[test_name], derandomize=True, database=None, **common
-        )
-    share = CI_EXAMPLES[test_name] / sum(CI_EXAMPLES.values())
-    return settings(max_examples=max(1, round(int(requested) * share)), print_blob=True, **common)
+def settings_for(test_name: str) -> settings:
+    return fuzz_settings(CI_EXAMPLES, test_name)
 
 
 class RecordingEngine(ts.SimEngine):
@@ -704,7 +693,7 @@ def _report_coverage(request: pytest.FixtureRequest) -> None:
 # -- the properties ------------------------------------------------------------
 
 
-@fuzz_settings("test_lifecycle_fuzz")
+@settings_for("test_lifecycle_fuzz")
 @given(scenario=scenarios())
 def test_lifecycle_fuzz(scenario: Scenario) -> None:
     policy = replace(LONG_POLICY, shutdown_grace=scenario.shutdown_grace)
@@ -713,7 +702,7 @@ def test_lifecycle_fuzz(scenario: Scenario) -> None:
     check_invariants(scenario, outcome, policy, generous=True)
 
 
-@fuzz_settings("test_shutdown_fuzz")
+@settings_for("test_shutdown_fuzz")
 @given(scenario=scenarios(graces=(0.0, 0.001, 0.25, 2.0), always_shut_down=True))
 def test_shutdown_fuzz(scenario: Scenario) -> None:
     policy = ts.AbortPolicy(shutdown_grace=scenario.shutdown_grace)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -49,10 +48,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import trio_sglang as ts
+from _fuzz import fuzz_settings
 from trio_sglang import _request
 from trio_sglang.server import _openai, serve
 from trio_sglang.server._asgi import DRAIN_BYTES, Message, read_json
@@ -89,7 +89,6 @@ INT32_MAX = 2**31 - 1
 #: Past this many digits, Python's ``int()`` (and so ``json.loads``) raises ValueError.
 INT_DIGIT_LIMIT = 4300
 
-FUZZ_ENV = "TRIO_SGLANG_FUZZ_EXAMPLES"
 #: Examples per family in CI: fixed, derandomized, about 3,000 in all (a few seconds).
 CI_EXAMPLES = {
     "test_json_that_is_not_an_object": 200,
@@ -105,19 +104,8 @@ CI_EXAMPLES = {
 }
 
 
-def fuzz_settings(test_name: str) -> settings:
-    """CI's fixed budget, or ``FUZZ_ENV`` examples shared in proportion to it."""
-    common: dict[str, Any] = {
-        "deadline": None,
-        "suppress_health_check": [HealthCheck.too_slow],
-    }
-    requested = os.environ.get(FUZZ_ENV)
-    if not requested:
-        return settings(
-            max_examples=CI_EXAMPLES[test_name], derandomize=True, database=None, **common
-        )
-    share = CI_EXAMPLES[test_name] / sum(CI_EXAMPLES.values())
-    return settings(max_examples=max(1, round(int(requested) * share)), print_blob=True, **common)
+def settings_for(test_name: str) -> settings:
+    return fuzz_settings(CI_EXAMPLES, test_name)
 
 
 # -- the server --------------------------------------------------------------
@@ -439,7 +427,7 @@ DEPTHS = st.integers(1, 2500) | st.integers(1, 100_000)
 # -- the families --------------------------------------------------------------
 
 
-@fuzz_settings("test_json_that_is_not_an_object")
+@settings_for("test_json_that_is_not_an_object")
 @given(path=ENDPOINT, value=JSON_SCALARS | st.lists(JSON_VALUES))
 def test_json_that_is_not_an_object(
     server: LiveServer, client: httpx.Client, path: str, value: object
@@ -470,7 +458,7 @@ def objects_of_random_fields(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     return path, body
 
 
-@fuzz_settings("test_objects_of_random_fields")
+@settings_for("test_objects_of_random_fields")
 @given(case=objects_of_random_fields())
 def test_objects_of_random_fields(
     server: LiveServer, client: httpx.Client, case: tuple[str, dict[str, Any]]
@@ -486,7 +474,7 @@ def wrong_bodies(draw: st.DrawFn) -> tuple[str, Any]:
     return site.path, replaced(site.body, site.field, draw(WRONG_VALUES[site.base][site.field]))
 
 
-@fuzz_settings("test_one_field_made_wrong")
+@settings_for("test_one_field_made_wrong")
 @given(case=wrong_bodies(), stream=st.booleans())
 def test_one_field_made_wrong(
     server: LiveServer, client: httpx.Client, case: tuple[str, Any], stream: bool
@@ -498,7 +486,7 @@ def test_one_field_made_wrong(
     assert response.status_code != 200, f"accepted a wrong body: {body!r}"
 
 
-@fuzz_settings("test_unknown_fields")
+@settings_for("test_unknown_fields")
 @given(
     path=ENDPOINT,
     key=st.text(min_size=1, max_size=12),
@@ -524,7 +512,7 @@ def test_unknown_fields(
         assert response.json()["error"]["param"] == key
 
 
-@fuzz_settings("test_arbitrary_bytes")
+@settings_for("test_arbitrary_bytes")
 @given(path=ENDPOINT, content=st.binary(max_size=64))
 def test_arbitrary_bytes(
     server: LiveServer, client: httpx.Client, path: str, content: bytes
@@ -538,7 +526,7 @@ INVALID_UTF8 = (b"\x80", b"\xff", b"\xc0\xaf", b"\xe2\x82", b"\xed\xa0\x80", b"\
 ASCII_LETTERS = st.text(st.characters(min_codepoint=ord("a"), max_codepoint=ord("z")), max_size=4)
 
 
-@fuzz_settings("test_invalid_utf8")
+@settings_for("test_invalid_utf8")
 @given(
     path=ENDPOINT,
     before=ASCII_LETTERS,
@@ -562,14 +550,14 @@ def truncated(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, content[: draw(st.integers(0, len(content) - 1))]
 
 
-@fuzz_settings("test_truncated_json")
+@settings_for("test_truncated_json")
 @given(case=truncated())
 def test_truncated_json(server: LiveServer, client: httpx.Client, case: tuple[str, bytes]) -> None:
     path, content = case
     assert_rejected(post(server, client, path, content), 400, "malformed JSON body")
 
 
-@fuzz_settings("test_what_json_loads_reads_but_json_is_not")
+@settings_for("test_what_json_loads_reads_but_json_is_not")
 @given(site=SITES, raw=NOT_JSON)
 def test_what_json_loads_reads_but_json_is_not(
     server: LiveServer, client: httpx.Client, site: Site, raw: str
@@ -579,7 +567,7 @@ def test_what_json_loads_reads_but_json_is_not(
     assert_rejected(response, 400, "malformed JSON body")
 
 
-@fuzz_settings("test_deep_nesting")
+@settings_for("test_deep_nesting")
 @given(
     site=SITES,
     kind=st.sampled_from(["array", "object"]),
@@ -601,7 +589,7 @@ def test_deep_nesting(
         post(server, client, site.path, with_raw_json(site.body, site.field, raw))
 
 
-@fuzz_settings("test_bodies_over_the_limit")
+@settings_for("test_bodies_over_the_limit")
 @given(path=ENDPOINT, excess=st.integers(1, DRAIN_BYTES), chunked=st.booleans())
 def test_bodies_over_the_limit(
     server: LiveServer, client: httpx.Client, path: str, excess: int, chunked: bool
