@@ -25,6 +25,14 @@ def test_readme_embedding_example_runs_as_written() -> None:
     assert "cancel_before_first_output_v1" in result.stdout
 
 
+def test_readme_disaggregation_example_stops_the_prefill_while_it_computes() -> None:
+    result = run_python("-c", readme_block("python", "SimKVRooms()"))
+    assert result.returncode == 0, result.stderr
+    assert "prefill stopped: abort_applied in prefilling" in result.stdout
+    assert "left live: set()" in result.stdout
+    assert result.stdout.splitlines()[-1] == "True"  # cancel-anytime, advertised
+
+
 def test_readme_commands_are_the_ones_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
