@@ -196,6 +196,19 @@ async def test_a_cancel_in_any_phase_stops_both_legs(
     assert all(t <= phase.cancel_at for t in tokens)
 
 
+async def test_a_request_killed_before_its_first_pull_reaches_neither_engine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with pair() as p:
+        ctx = ts.RequestContext("gone")
+        ctx.kill()
+        async with p.worker.generate(REQUEST, ctx) as chunks:
+            async for _ in chunks:
+                pytest.fail("unreachable")
+        await trio.sleep(10)
+    assert list(p.prefill.trace) == list(p.decode.trace) == []
+
+
 async def test_a_cancel_while_waiting_behind_another_prefill_never_computes_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

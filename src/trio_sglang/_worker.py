@@ -15,6 +15,9 @@ detached task of the worker's nursery, each bounded by ``AbortPolicy``.
 Requests whose engine ids are known in advance (one prompt, or a native
 batch) on an engine whose close releases them are read directly by the
 caller's task; the others are read by an ``EnginePump`` (see ``_pump.py``).
+A decode worker's request that needs its prefill run elsewhere also has a
+``PrefillLeg`` (see ``_disagg.py``), started with the first pull and stopped
+when the block ends.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class ResponseStream:
         "_closed",
         "_exhausted",
         "_ids",
+        "_leg",
         "_output",
         "_pulling",
         "_pump",
@@ -71,10 +75,12 @@ class ResponseStream:
         ids: PublicIds,
         output: OutputMode,
         scope: trio.CancelScope,
+        leg: PrefillLeg | None,
     ) -> None:
         self._worker = worker
         self._request = request
         self._pump = pump
+        self._leg = leg
         self._ids = ids
         self._output: OutputMode = output
         self._scope = scope
@@ -104,6 +110,8 @@ class ResponseStream:
             # not touch the engine at all.
             await trio.lowlevel.checkpoint_if_cancelled()
             self._started = True
+            if self._leg is not None:
+                self._worker._start_prefill_leg(self._leg)
             if self._pump is not None:
                 self._worker._start_pump(self._pump)
         self._pulling = True
@@ -264,13 +272,12 @@ class Worker:
             )
         )
         scope = trio.CancelScope()
-        stream = ResponseStream(self, engine_request, pump, ids, parsed.output, scope)
         leg = None
         if bootstrap is not None and self._prefill is not None:
             leg = PrefillLeg(
                 self._prefill, {**parsed.body, **bootstrap}, ids.request, rids, scope, self._faults
             )
-            self._start_prefill_leg(leg)
+        stream = ResponseStream(self, engine_request, pump, ids, parsed.output, scope, leg)
         self._open.add(stream)
         ctx._attach(scope)
         try:
