@@ -115,7 +115,7 @@ class ResponseStream:
             if self._pump is not None:
                 self._worker._start_pump(self._pump)
         self._pulling = True
-        pulled = False
+        pulled = pull_cancelled = False
         try:
             out = await self._pull()
             pulled = True
@@ -124,6 +124,9 @@ class ResponseStream:
             raise
         except (EngineError, EngineShutdown):
             raise
+        except trio.Cancelled:
+            pull_cancelled = True
+            raise
         except Exception as exc:
             raise self._worker._engine_failed(self._request, exc) from exc
         finally:
@@ -131,7 +134,7 @@ class ResponseStream:
             if not pulled:
                 # Cancelled, failed or exhausted: the engine stream cannot
                 # resume, so its cleanup starts now, not at block exit.
-                self._close()
+                self._close(pull_cancelled=pull_cancelled)
         return format_chunk(self._output, out, self._ids)
 
     async def _pull(self) -> dict[str, Any]:
@@ -153,7 +156,7 @@ class ResponseStream:
             self._close()
         await trio.lowlevel.checkpoint()
 
-    def _close(self) -> None:
+    def _close(self, *, pull_cancelled: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
@@ -162,7 +165,7 @@ class ResponseStream:
         if self._pump is not None:
             self._pump.consumer_left()
         elif not self._exhausted:
-            self._worker._hand_over(self._request)
+            self._worker._hand_over(self._request, pull_cancelled=pull_cancelled)
 
     def _end_for_shutdown(self) -> None:
         self._shutdown = True
@@ -327,7 +330,17 @@ class Worker:
                 leg.scope.deadline, trio.current_time() + self._policy.cleanup_timeout
             )
 
-    def _hand_over(self, request: EngineRequest) -> None:
+    def _hand_over(self, request: EngineRequest, *, pull_cancelled: bool) -> None:
+        """Start the cleanup of a request whose caller has gone, unless it is already done.
+
+        A cancelled pull ran the engine's release path; if the engine then
+        holds none of the request's ids, there is nothing left to await (the
+        usual case, and in a burst of cancels it spares a task per request).
+        """
+        if pull_cancelled and not request.held_by(self._engine):
+            if self._observer is not None:
+                self._observer.cleanup_finished(0.0, released=True)
+            return
         if self._nursery_closed:
             logger.warning(
                 "request %s ended after the worker closed; the engine closed with it",
