@@ -1,5 +1,5 @@
 """The one entry point: ``nox -s tests``, ``sglang``, ``fuzz``, ``lint``, ``typecheck``,
-``bench``, ``serve``, ``demo``.
+``bench``, ``load``, ``serve``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -75,11 +75,29 @@ def serve(session: nox.Session) -> None:
     session.run("trio-sglang", "serve", *session.posargs)
 
 
+#: The options of ``cancel_latency.py`` that ``disagg_cancel.py`` takes too, with one meaning.
+SHARED_BENCH_FLAGS = frozenset({"--quick", "-h", "--help"})
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The cancel-latency benchmark (``-- --quick`` for a subset under a minute)."""
+    """Cancel latency, then cancels on a prefill/decode pair (``-- --quick``: both subsets).
+
+    Arguments after ``--`` go to ``cancel_latency.py``; ``disagg_cancel.py``
+    gets only those it shares (``--quick``, ``--help``). Its own options
+    (``--json``, ``--requests``, ...): run it directly.
+    """
     install(session, "bench")
     session.run("python", "benchmarks/cancel_latency.py", *session.posargs)
+    shared = [arg for arg in session.posargs if arg in SHARED_BENCH_FLAGS]
+    session.run("python", "benchmarks/disagg_cancel.py", *shared)
+
+
+@nox.session
+def load(session: nox.Session) -> None:
+    """1,000 streaming clients against ``trio-sglang serve`` for 30 s (``-- --quick``: CI's run)."""
+    install(session, "serve", "bench")
+    session.run("python", "benchmarks/load.py", *session.posargs)
 
 
 @nox.session

@@ -124,3 +124,99 @@ def test_plot(bench: ModuleType, report: Any, tmp_path: Path) -> None:
     path = tmp_path / "latency.png"
     _plot.plot(report.results + report.at_once, path)
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+# -- disagg_cancel.py: cancels on a prefill/decode pair, on MockClock ----------------
+#
+# Sim seconds, so every number below is exact for the seed; the asserts still only
+# compare approaches and count leaks, so that a change of the workload's knobs does
+# not break them while a lifecycle that wastes prefill work or holds decode
+# requests does.
+
+DISAGG_APPROACHES = ("trio-sglang", "first-response", "prefill-abort")
+
+
+@pytest.fixture(scope="module")
+def disagg() -> Iterator[ModuleType]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import disagg_cancel
+
+        yield disagg_cancel
+
+
+@pytest.fixture(scope="module")
+def disagg_report(disagg: ModuleType) -> Any:
+    """The ``--quick`` run (300 requests on each approach; a few seconds)."""
+    return disagg.run_benchmark(disagg.Config(disagg.QUICK))
+
+
+def disagg_results(report: Any) -> dict[str, Any]:
+    return {result.approach: result for result in report.results}
+
+
+def test_disagg_run_has_the_documented_shape(disagg_report: Any) -> None:
+    data = json.loads(json.dumps(disagg_report.to_json({"python": "test"})))
+    assert "MockClock" in data["clock"]
+    assert [r["approach"] for r in data["results"]] == list(DISAGG_APPROACHES)
+    for result in data["results"]:
+        assert result["requests"] == 300
+        assert result["stayed"] + result["cancels"] + result["ended_before_their_cancel"] == 300
+        assert set(result["phases"]) == set(data["phases"])
+        assert sum(p["cancels"] for p in result["phases"].values()) == result["cancels"]
+        for key in ("ttft_s", "decode_hold_s"):
+            assert {"p50", "p99", "max"} <= set(result[key])
+        assert result["bound_hits"] == 0  # no baseline bound decided anything
+    ours = disagg_results(disagg_report)["trio-sglang"]
+    assert all(phase.cancels for phase in ours.phases.values())  # every phase was hit
+
+
+def test_disagg_trio_sglang_wastes_at_most_a_chunk_and_leaks_nothing(disagg_report: Any) -> None:
+    results = disagg_results(disagg_report)
+    ours, old = results["trio-sglang"], results["first-response"]
+    timing = disagg_report.config.workload.timing.disagg
+    chunk_s = timing.prefill_chunk_tokens * timing.prefill_time_per_token
+    assert ours.cancels > 50
+    assert max(ours.wasted_prefill_s) <= chunk_s + 1e-9  # the forward in flight, no more
+    assert sum(ours.wasted_prefill_s) * 5 < sum(old.wasted_prefill_s)
+    assert sum(ours.hol_delay_s) * 5 < sum(old.hol_delay_s)
+    assert (ours.decode_held, ours.kv_timeouts, ours.decode_tokens_after_cancel) == (0, 0, 0)
+    assert (ours.live_at_end, ours.aborts_lost, ours.stayed_failed) == (0, 0, 0)
+
+
+def test_disagg_baselines_show_their_gaps(disagg_report: Any) -> None:
+    results = disagg_results(disagg_report)
+    old, half = results["first-response"], results["prefill-abort"]
+    kv_wait = disagg_report.config.workload.timing.disagg.kv_wait_timeout
+    # #13691: the prefill of a client that left runs on; #14368: its decode request is
+    # held until the first output, and aborted only then (one token wasted each).
+    assert old.phases["waiting"].cancels
+    assert min(old.phases["waiting"].wasted_prefill_s) > 0
+    assert old.decode_held > 0
+    assert old.decode_tokens_after_cancel > 0
+    # Cancelling the prefill alone does not tell the decode side: it waits out its timeout.
+    assert half.kv_timeouts > 0
+    assert max(half.decode_hold_s) > kv_wait / 2
+    # Both are faithful models, not leaky ones: nothing lost, nothing left at the end.
+    for result in (old, half):
+        assert (result.live_at_end, result.aborts_lost) == (0, 0)
+
+
+def test_disagg_report_renders(disagg: ModuleType, disagg_report: Any) -> None:
+    text = disagg.format_report(disagg_report)
+    for name in DISAGG_APPROACHES:
+        assert name in text
+    assert "MockClock" in text
+    assert "Per phase at the cancel" in text
+
+
+def test_disagg_command_line(disagg: ModuleType) -> None:
+    parser = disagg.build_parser()
+    assert disagg.config_from_args(parser.parse_args(["--quick"])).workload == disagg.QUICK
+    chosen = disagg.config_from_args(
+        parser.parse_args(["--requests", "10", "--load", "0.5", "--seed", "3"])
+    ).workload
+    assert (chosen.requests, chosen.load, chosen.seed) == (10, 0.5, 3)
+    assert chosen.timing == disagg.FULL.timing
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--load", "5"])

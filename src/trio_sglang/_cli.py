@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ._demo import run_demo
+from ._disagg import PrefillFailed
 from ._engine import Engine
 from ._policy import AbortPolicy
 from ._sglang_engine import SGLangEngine
+from ._sim_disagg import KVRooms, SimDisaggTiming, SimKVRooms
 from ._sim_engine import SimEngine
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from .server import HTTPPrefill
 
 __all__ = ["main"]
 
@@ -24,6 +31,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
     return value
 
 
@@ -60,11 +74,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
     serve.add_argument("--shutdown-grace", type=_seconds, default=1.0, help="seconds")
+    disagg = serve.add_argument_group(
+        "prefill/decode disaggregation (the roles of sglang-router's --pd-disaggregation)"
+    )
+    disagg.add_argument(
+        "--disaggregation-mode",
+        choices=["prefill", "decode"],
+        help="run one side of a pair. On the SimEngine a prefill server also serves its KV "
+        "rooms (SGLang's bootstrap server) on its HTTP port; with --engine sglang this is "
+        "SGLang's --disaggregation-mode",
+    )
+    disagg.add_argument(
+        "--prefill-url",
+        help="a decode worker's prefill server (http://host:port): it then runs the prefill "
+        "leg of every request that comes without bootstrap fields there, and cancels it with "
+        "the request. Without it, a decode worker takes only requests that carry "
+        "bootstrap_host, bootstrap_port and bootstrap_room (from sglang-router in PD mode)",
+    )
+    disagg.add_argument(
+        "--prefill-bootstrap-port",
+        type=_port,
+        help="where decode engines reach the --prefill-url server's KV rooms (default: its "
+        "HTTP port, right for a SimEngine prefill server; for one on SGLang, its "
+        "--disaggregation-bootstrap-port, 8998 unless set)",
+    )
     sim = serve.add_argument_group("SimEngine timing (seconds)")
     sim.add_argument("--sim-tokenize-delay", type=_seconds, default=0.005)
     sim.add_argument("--sim-dispatch-delay", type=_seconds, default=0.001)
     sim.add_argument("--sim-first-token-delay", type=_seconds, default=0.05)
     sim.add_argument("--sim-token-interval", type=_seconds, default=0.02)
+    timing = SimDisaggTiming()
+    sim.add_argument(
+        "--sim-prefill-time-per-token",
+        type=_seconds,
+        default=timing.prefill_time_per_token,
+        help="prefill compute per prompt token (a prompt word is a token)",
+    )
+    sim.add_argument(
+        "--sim-prefill-chunk-tokens",
+        type=_positive_int,
+        default=timing.prefill_chunk_tokens,
+        help="prompt tokens per prefill forward; a cancel takes effect between forwards",
+    )
+    sim.add_argument(
+        "--sim-bootstrap-delay",
+        type=_seconds,
+        default=timing.bootstrap_delay,
+        help="the decode side's handshake with the prefill side",
+    )
+    sim.add_argument("--sim-kv-transfer-delay", type=_seconds, default=timing.kv_transfer_delay)
+    sim.add_argument(
+        "--sim-kv-wait-timeout",
+        type=_seconds,
+        default=timing.kv_wait_timeout,
+        help="how long the decode side waits for a KV cache (default: %(default)s, SGLang's)",
+    )
     return parser
 
 
@@ -82,11 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("trio_sglang").setLevel(logging.INFO)
     try:
-        from .server import serve
+        from .server import HTTPPrefill
     except ImportError as exc:
         print(f"trio-sglang serve needs the serve extra: pip install 'trio-sglang[serve]' ({exc})")
         return 2
-    engine: Engine
     if args.engine == "sglang":
         if not args.model_path:
             print("--engine sglang needs --model-path")
@@ -94,25 +157,78 @@ def _serve(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("sglang") is None:
             print("--engine sglang needs SGLang: pip install 'trio-sglang[sglang]' (a GPU machine)")
             return 2
-        engine = SGLangEngine(model_path=args.model_path)
-    else:
-        engine = SimEngine(
-            tokenize_delay=args.sim_tokenize_delay,
-            dispatch_delay=args.sim_dispatch_delay,
-            first_token_delay=args.sim_first_token_delay,
-            token_interval=args.sim_token_interval,
-        )
-    trio.run(
-        lambda: serve(
+    if args.prefill_url is not None and args.disaggregation_mode != "decode":
+        print("--prefill-url is for a decode worker: add --disaggregation-mode decode")
+        return 2
+    if args.prefill_bootstrap_port is not None and args.prefill_url is None:
+        print("--prefill-bootstrap-port goes with --prefill-url")
+        return 2
+    prefill = None
+    if args.prefill_url is not None:
+        try:
+            prefill = HTTPPrefill(args.prefill_url, bootstrap_port=args.prefill_bootstrap_port)
+        except ValueError as exc:
+            print(f"--prefill-url: {exc}")
+            return 2
+    unusable: BaseException | None = None
+    try:
+        trio.run(_serve_until_stopped, args, prefill)
+    except* PrefillFailed as failed:  # its first check, at startup (nested in nurseries)
+        unusable = failed
+    while isinstance(unusable, BaseExceptionGroup):
+        unusable = unusable.exceptions[0]
+    if unusable is not None:
+        print(f"the prefill server is not usable: {unusable}")
+        return 2
+    return 0
+
+
+async def _serve_until_stopped(args: argparse.Namespace, prefill: HTTPPrefill | None) -> None:
+    """The engine, and what one side of a disaggregated pair needs, around the server."""
+    from .server import open_http_kv_rooms, serve
+
+    mode = args.disaggregation_mode
+    async with contextlib.AsyncExitStack() as stack:
+        engine: Engine
+        hosted = None
+        if args.engine == "sglang":
+            # SGLang runs its own bootstrap server (--disaggregation-bootstrap-port).
+            disagg: dict[str, Any] = {} if mode is None else {"disaggregation_mode": mode}
+            engine = SGLangEngine(model_path=args.model_path, **disagg)
+        else:
+            kv_rooms: KVRooms | None = None
+            if mode == "prefill":
+                kv_rooms = hosted = SimKVRooms()
+            elif mode == "decode":
+                kv_rooms = await stack.enter_async_context(open_http_kv_rooms())
+            engine = SimEngine(
+                tokenize_delay=args.sim_tokenize_delay,
+                dispatch_delay=args.sim_dispatch_delay,
+                first_token_delay=args.sim_first_token_delay,
+                token_interval=args.sim_token_interval,
+                keep_trace=False,  # a server runs for days: counts only (exported in /metrics)
+                disaggregation_mode=mode,
+                kv_rooms=kv_rooms,
+                disagg_timing=SimDisaggTiming(
+                    prefill_time_per_token=args.sim_prefill_time_per_token,
+                    prefill_chunk_tokens=args.sim_prefill_chunk_tokens,
+                    bootstrap_delay=args.sim_bootstrap_delay,
+                    kv_transfer_delay=args.sim_kv_transfer_delay,
+                    kv_wait_timeout=args.sim_kv_wait_timeout,
+                ),
+            )
+        if prefill is not None:
+            await stack.enter_async_context(prefill)
+        await serve(
             engine,
             host=args.host,
             port=args.port,
             model=args.served_model_name or _default_model_name(args),
             policy=AbortPolicy(shutdown_grace=args.shutdown_grace),
             max_body_bytes=args.max_body_bytes,
+            prefill=prefill,
+            kv_rooms=hosted,
         )
-    )
-    return 0
 
 
 def _default_model_name(args: argparse.Namespace) -> str:

@@ -32,10 +32,11 @@ from typing import Any, Literal, Protocol
 
 import trio
 
-from ._sim_scheduler import OutputSink, SimScheduler, SimTiming
+from ._sim_scheduler import BootstrapAddr, OutputSink, SimScheduler, SimTiming
 from ._sim_trace import Trace, TraceKind
 
 __all__ = [
+    "BootstrapAddr",
     "DisaggregationMode",
     "KVRooms",
     "RoomEvent",
@@ -94,26 +95,39 @@ class KVRooms(Protocol):
     In SGLang the prefill side hosts the bootstrap server and the KV cache
     goes from GPU to GPU; here a room collects the events that matter to
     aborts: the decode side's handshake, the KV cache sent, and the decode
-    side's abort notification.
+    side's abort notification. ``at`` is where the request says the prefill
+    side's bootstrap server is: rooms shared in one process ignore it, rooms
+    reached over a network go there (``trio_sglang.server.open_http_kv_rooms``).
+    The scheduler calls them from its own tasks, ``post`` and ``side_done``
+    synchronously (so a networked implementation sends in the background),
+    and none may raise (``wait`` only ``Cancelled``): an error would stop the
+    scheduler, not one request.
     """
 
-    def post(self, room: int, event: RoomEvent) -> None:
+    def post(self, room: int, event: RoomEvent, at: BootstrapAddr) -> None:
         """Record ``event`` for ``room`` and wake whoever waits for it."""
         ...
 
-    def happened(self, room: int, event: RoomEvent) -> bool: ...
+    def happened(self, room: int, event: RoomEvent, at: BootstrapAddr) -> bool: ...
 
-    async def wait(self, room: int, wanted: frozenset[RoomEvent]) -> frozenset[RoomEvent]:
+    async def wait(
+        self, room: int, wanted: frozenset[RoomEvent], at: BootstrapAddr
+    ) -> frozenset[RoomEvent]:
         """Those of ``wanted`` that have happened to ``room``, once one has; unbounded."""
         ...
 
-    def side_done(self, room: int) -> None:
+    def side_done(self, room: int, at: BootstrapAddr) -> None:
         """One side is done with ``room``; it is forgotten once both are."""
         ...
 
 
 class SimKVRooms:
-    """``KVRooms`` in one process: share one between a prefill and a decode ``SimEngine``."""
+    """``KVRooms`` in one process: share one between a prefill and a decode ``SimEngine``.
+
+    It is also what a prefill server hosts for decode servers in other
+    processes (``trio_sglang.server``); either way the room's address does
+    not matter here.
+    """
 
     def __init__(self) -> None:
         self._rooms: dict[int, _Room] = {}
@@ -121,23 +135,28 @@ class SimKVRooms:
     def __len__(self) -> int:
         return len(self._rooms)
 
-    def post(self, room: int, event: RoomEvent) -> None:
+    def __contains__(self, room: int) -> bool:
+        return room in self._rooms
+
+    def post(self, room: int, event: RoomEvent, at: BootstrapAddr | None = None) -> None:
         state = self._rooms.setdefault(room, _Room())
         state.events.add(event)
         state.lot.unpark_all()
 
-    def happened(self, room: int, event: RoomEvent) -> bool:
+    def happened(self, room: int, event: RoomEvent, at: BootstrapAddr | None = None) -> bool:
         state = self._rooms.get(room)
         return state is not None and event in state.events
 
-    async def wait(self, room: int, wanted: frozenset[RoomEvent]) -> frozenset[RoomEvent]:
+    async def wait(
+        self, room: int, wanted: frozenset[RoomEvent], at: BootstrapAddr | None = None
+    ) -> frozenset[RoomEvent]:
         """Those of ``wanted`` that have happened to ``room``, once one has; unbounded."""
         state = self._rooms.setdefault(room, _Room())
         while not (state.events & wanted):
             await state.lot.park()
         return frozenset(state.events & wanted)
 
-    def side_done(self, room: int) -> None:
+    def side_done(self, room: int, at: BootstrapAddr | None = None) -> None:
         state = self._rooms.get(room)
         if state is None:
             return
@@ -153,6 +172,7 @@ class _Staged:
     max_new_tokens: int
     prompt_tokens: int
     room: int
+    at: BootstrapAddr
     stage: str
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     abort_pending: bool = False
@@ -188,6 +208,7 @@ class _DisaggScheduler(SimScheduler):
         max_new_tokens: int,
         prompt_tokens: int = 0,
         room: int | None = None,
+        at: BootstrapAddr | None = None,
     ) -> None:
         if room is None:
             # What SGLang's scheduler answers a disaggregated request without a room.
@@ -201,7 +222,9 @@ class _DisaggScheduler(SimScheduler):
                 ),
             )
             return
-        staged = _Staged(rid, seed, max_new_tokens, prompt_tokens, room, self._first_stage)
+        staged = _Staged(
+            rid, seed, max_new_tokens, prompt_tokens, room, at or BootstrapAddr(), self._first_stage
+        )
         self._staged[rid] = staged
         assert self._stages is not None, "the scheduler runs while the engine does"
         self._stages.start_soon(self._run_stages, staged)
@@ -230,7 +253,7 @@ class _DisaggScheduler(SimScheduler):
             return
         del self._staged[staged.rid]
         staged.scope.cancel()
-        self._rooms.side_done(staged.room)
+        self._rooms.side_done(staged.room, staged.at)
         self._sink(staged.rid, token, reason)
 
     def _aborted(self, staged: _Staged, reason: dict[str, Any]) -> None:
@@ -267,7 +290,7 @@ class SimPrefillScheduler(_DisaggScheduler):
     async def _run_stages(self, staged: _Staged) -> None:
         with staged.scope:
             events = await self._rooms.wait(
-                staged.room, frozenset({"decode_ready", "decode_aborted"})
+                staged.room, frozenset({"decode_ready", "decode_aborted"}), staged.at
             )
             if "decode_aborted" in events:
                 self._failed(staged, "Prefill bootstrap failed", "decode aborted", "kv_failed")
@@ -289,11 +312,11 @@ class SimPrefillScheduler(_DisaggScheduler):
                 self._aborted(staged, _abort("Aborted", None))
                 return
             staged.stage = "transferring"
-            if self._rooms.happened(staged.room, "decode_aborted"):
+            if self._rooms.happened(staged.room, "decode_aborted", staged.at):
                 self._failed(staged, "Prefill transfer failed", "decode aborted", "kv_failed")
                 return
             await trio.sleep(self._disagg.kv_transfer_delay)
-            self._rooms.post(staged.room, "kv_sent")
+            self._rooms.post(staged.room, "kv_sent", staged.at)
             self._trace.record("kv_sent", staged.rid, str(staged.room))
             token = (staged.seed + 7919) % 64
             self._trace.record("finished", staged.rid)
@@ -340,16 +363,16 @@ class SimDecodeScheduler(_DisaggScheduler):
     async def _run_stages(self, staged: _Staged) -> None:
         with staged.scope:
             await trio.sleep(self._disagg.bootstrap_delay)
-            self._rooms.post(staged.room, "decode_ready")
+            self._rooms.post(staged.room, "decode_ready", staged.at)
             self._trace.record("bootstrapped", staged.rid, str(staged.room))
             staged.stage = "transfer"
             with trio.move_on_after(self._disagg.kv_wait_timeout):
-                await self._rooms.wait(staged.room, frozenset({"kv_sent"}))
+                await self._rooms.wait(staged.room, frozenset({"kv_sent"}), staged.at)
                 if not self._holds(staged):
                     return
                 self._trace.record("kv_received", staged.rid, str(staged.room))
                 del self._staged[staged.rid]
-                self._rooms.side_done(staged.room)
+                self._rooms.side_done(staged.room, staged.at)
                 SimScheduler.add_request(self, staged.rid, staged.seed, staged.max_new_tokens)
                 return
             self._trace.record("kv_timeout", staged.rid, str(staged.room))
@@ -367,7 +390,7 @@ class SimDecodeScheduler(_DisaggScheduler):
             )
 
     def _abort_staged(self, staged: _Staged) -> None:
-        self._rooms.post(staged.room, "decode_aborted")  # the AbortNotification
+        self._rooms.post(staged.room, "decode_aborted", staged.at)  # the AbortNotification
         what = "Decode handshake failed" if staged.stage == "prealloc" else "Decode transfer failed"
         self._aborted(
             staged,

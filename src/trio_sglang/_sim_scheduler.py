@@ -21,7 +21,7 @@ import trio
 
 from ._sim_trace import Trace
 
-__all__ = ["OutputSink", "SimScheduler", "SimTiming"]
+__all__ = ["BootstrapAddr", "OutputSink", "SimScheduler", "SimTiming"]
 
 #: Receives (rid, new token ids, finish reason or None): the detokenizer's path back.
 OutputSink = Callable[[str, list[int], dict[str, Any] | None], None]
@@ -48,6 +48,18 @@ class SimTiming:
                 or value < 0
             ):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapAddr:
+    """Where a disaggregated request's prefill side hosts its bootstrap server.
+
+    SGLang's ``bootstrap_host`` and ``bootstrap_port`` request fields: the
+    decode side reaches the room there. ``None`` where the request did not say.
+    """
+
+    host: str | None = None
+    port: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -83,6 +95,7 @@ class SimScheduler:
         max_new_tokens: int,
         prompt_tokens: int = 0,
         room: int | None = None,
+        at: BootstrapAddr | None = None,
     ) -> None:
         """Start decoding ``rid`` (an aggregated engine ignores the prompt and the room)."""
         running = _Running(

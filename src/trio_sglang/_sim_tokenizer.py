@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from ._engine import RequestPhase
-from ._sim_scheduler import VOCAB_SIZE, OutputSink, SimScheduler, SimTiming
+from ._sim_scheduler import VOCAB_SIZE, BootstrapAddr, OutputSink, SimScheduler, SimTiming
 from ._sim_trace import Trace
 
 __all__ = ["SchedulerFactory", "SimStream", "SimTokenizerManager"]
@@ -56,6 +56,7 @@ class ReqState:
     max_new_tokens: int
     deliver: Deliver
     room: int | None = None  # bootstrap_room, for prefill/decode disaggregation
+    at: BootstrapAddr | None = None  # bootstrap_host and bootstrap_port, likewise
     dispatch_time: float | None = None  # api_server_dispatch_finish_time
     abort_sent: bool = False
     completion_tokens: int = 0
@@ -138,7 +139,7 @@ class SimTokenizerManager:
         state.dispatch_time = trio.current_time()
         self.trace.record("dispatched", state.rid)
         self.scheduler.add_request(
-            state.rid, state.seed, state.max_new_tokens, state.prompt_tokens, state.room
+            state.rid, state.seed, state.max_new_tokens, state.prompt_tokens, state.room, state.at
         )
         self._wake(state.rid)
 
@@ -293,10 +294,13 @@ class SimStream:
             self._new_state(r, i if multi else None, prompts[i // n], max_new[i // n])
             for i, r in enumerate(rids)
         ]
-        room = request.get("bootstrap_room")
-        rooms = room if isinstance(room, list) else [room] * len(prompts)
+        rooms, hosts, ports = (
+            _per_prompt(request.get(f"bootstrap_{name}"), len(prompts))
+            for name in ("room", "host", "port")
+        )
         for i, state in enumerate(states):
             state.room = rooms[i // n]
+            state.at = BootstrapAddr(hosts[i // n], ports[i // n])
         for state in states:  # registration comes before any await
             self._tm.register(state)
         await trio.sleep(timing.tokenize_delay)
@@ -306,7 +310,7 @@ class SimStream:
             for i, state in enumerate(states):
                 self._tm.release(state)
                 child = self._new_state(uuid.uuid4().hex, i, prompts[i // n], state.max_new_tokens)
-                child.room = state.room
+                child.room, child.at = state.room, state.at
                 self._tm.register(child)
                 children.append(child)
             states = children
@@ -331,6 +335,11 @@ class SimStream:
         state = ReqState(rid, index, seed, prompt[1], max_new_tokens, self._deliver)
         self._states.append(state)
         return state
+
+
+def _per_prompt(value: Any, prompts: int) -> list[Any]:
+    """A bootstrap field as SGLang reads it: one value per prompt, or one for all."""
+    return value if isinstance(value, list) else [value] * prompts
 
 
 def _max_new_tokens(sampling: Mapping[str, Any]) -> int:

@@ -5,10 +5,25 @@ SGLang's native ``POST /generate``, OpenAI's ``POST /v1/completions`` and
 ``GET /health``, ``GET /v1/models``, ``GET /capabilities`` and
 ``GET /metrics``, on hypercorn's trio worker. A client that disconnects stops
 its request at once.
+
+Prefill/decode disaggregation across processes: ``HTTPPrefill`` is a prefill
+server as a decode worker's ``PrefillPeer``; a prefill server on the
+SimEngine serves its KV rooms (``serve(kv_rooms=...)``) and a decode
+SimEngine reaches them with ``open_http_kv_rooms()``.
 """
 
 from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
+from ._kv_rooms import HTTPKVRooms, open_http_kv_rooms
 from ._metrics import ServerMetrics
+from ._prefill_peer import HTTPPrefill
 from ._run import serve
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerApp", "ServerMetrics", "serve"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "HTTPKVRooms",
+    "HTTPPrefill",
+    "ServerApp",
+    "ServerMetrics",
+    "open_http_kv_rooms",
+    "serve",
+]

@@ -18,6 +18,7 @@ import trio
 
 from .._context import RequestContext
 from .._errors import EngineError, EngineShutdown, InvalidRequest
+from .._sim_disagg import SimKVRooms
 from .._worker import Worker
 from ._asgi import (
     SSE_DONE,
@@ -33,6 +34,7 @@ from ._asgi import (
     start_sse,
 )
 from ._errors import HTTPError, error_body
+from ._kv_rooms import ROOMS_PATH, KVRoomsApp
 from ._metrics import Outcome, ServerMetrics
 from ._native import NativePlan
 from ._openai import ChatPlan, CompletionPlan
@@ -54,6 +56,7 @@ class ServerApp:
         *,
         model: str,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        kv_rooms: SimKVRooms | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
@@ -62,7 +65,12 @@ class ServerApp:
         self.created = int(time.time())
         self._closing = False
         self._contexts: set[RequestContext] = set()
+        # A prefill server's bootstrap routes; served while it shuts down too,
+        # so that the decode side's last abort notifications still land.
+        self._rooms = None if kv_rooms is None else KVRoomsApp(kv_rooms)
         metrics.watch(worker)
+        if kv_rooms is not None:
+            metrics.watch_kv_rooms(kv_rooms)
 
     def close(self) -> None:
         """Stop taking requests and end every response being generated.
@@ -107,7 +115,9 @@ class ServerApp:
             "/model_info": self._model_info,
             "/get_model_info": self._model_info,
         }
-        if path in posts and method == "POST":
+        if self._rooms is not None and path.startswith(ROOMS_PATH):
+            await self._rooms(scope, receive, send)
+        elif path in posts and method == "POST":
             await self._generate(path, posts[path], scope, receive, send)
         elif path in gets and method in ("GET", "HEAD"):
             await gets[path](send)

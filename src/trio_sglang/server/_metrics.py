@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator, Sized
+from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from .._faults import EngineFault
+from .._sim_engine import SimEngine
+from .._sim_trace import Trace, TraceKind
 from .._worker import Worker
 
 __all__ = ["CancelPhase", "ServerMetrics"]
@@ -20,6 +32,9 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # process_resident_memory_bytes, process_cpu_seconds_total, ...: what a
+        # load test compares before and after, from outside the process.
+        ProcessCollector(registry=self.registry)
         self.requests = Counter(
             "trio_sglang_requests",
             "Generation requests by endpoint and outcome.",
@@ -35,7 +50,11 @@ class ServerMetrics:
         self.abort_delay = Histogram(
             "trio_sglang_abort_delay_seconds",
             "From the client leaving to the engine letting go of the request.",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            # 1-2.5-5 per decade from 0.1 ms (an engine that lets go at once) to 5 s.
+            buckets=(
+                *(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
+                *(0.1, 0.25, 0.5, 1, 2.5, 5),
+            ),
             registry=self.registry,
         )
         self.cleanups_unconfirmed = Counter(
@@ -68,6 +87,20 @@ class ServerMetrics:
         self.cleanup_tasks.set_function(lambda: worker.pending_cleanups)
         self.open_streams.set_function(lambda: worker.open_streams)
         self.engine_live.set_function(worker.engine.live_requests)
+        if isinstance(worker.engine, SimEngine):
+            self.registry.register(_SimEvents(worker.engine.trace))
+
+    def watch_kv_rooms(self, rooms: Sized) -> None:
+        """A prefill server's KV rooms (its bootstrap server): ``trio_sglang_kv_rooms``.
+
+        A room is forgotten once both sides are done with it, so a count that
+        only grows means requests whose other side never came or never ended.
+        """
+        Gauge(
+            "trio_sglang_kv_rooms",
+            "KV rooms this prefill server holds for its decode peers.",
+            registry=self.registry,
+        ).set_function(lambda: len(rooms))
 
     def cleanup_finished(self, seconds: float, *, released: bool) -> None:
         if released:
@@ -80,3 +113,25 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SimEvents(Collector):
+    """The SimEngine's event counts, every kind: ``trio_sglang_sim_events_total{kind}``.
+
+    So that what reached the simulated engine (``abort_lost`` above all) can
+    be checked from outside the process; the counts are kept even when the
+    engine keeps no events (``SimEngine(keep_trace=False)``, as ``serve`` runs it).
+    """
+
+    def __init__(self, trace: Trace) -> None:
+        self._trace = trace
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "trio_sglang_sim_events",
+            "SimEngine events by kind (see trio_sglang.TraceKind).",
+            labels=["kind"],
+        )
+        for kind in get_args(TraceKind):
+            family.add_metric([kind], self._trace.counts[kind])
+        yield family

@@ -16,8 +16,10 @@ import signal
 import trio
 from hypercorn.config import Config
 
+from .._disagg import PrefillPeer
 from .._engine import Engine
 from .._policy import AbortPolicy
+from .._sim_disagg import SimKVRooms
 from .._worker import open_worker
 from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from ._http import serve_http
@@ -38,22 +40,35 @@ async def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     handle_signals: bool = True,
     shutdown: trio.Event | None = None,
+    prefill: PrefillPeer | None = None,
+    kv_rooms: SimKVRooms | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``shutdown`` is set); reports the bound URLs.
 
     ``task_status.started`` receives the URLs the server listens on (useful
-    with ``port=0``).
+    with ``port=0``). Prefill/decode disaggregation: ``prefill`` is a decode
+    worker's prefill peer (``open_worker(prefill=...)``, e.g. ``HTTPPrefill``);
+    ``kv_rooms``, the ``SimKVRooms`` of a prefill ``SimEngine``, is served to
+    decode servers under ``/bootstrap/rooms/`` (SGLang's bootstrap server, on
+    this server's HTTP port; see ``_kv_rooms.py``).
     """
     shutdown = trio.Event() if shutdown is None else shutdown
     metrics = ServerMetrics()
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    # hypercorn's default accept queue holds 100 connections: a burst of clients
+    # connecting at once (1,000 in `nox -s load`) overflows it while the loop is
+    # busy, and the kernel drops their SYNs (retried 1, 3, 7 s later) or resets
+    # them. The kernel caps this at net.core.somaxconn (4096 on current Linux).
+    config.backlog = 4096
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through logging, once
     config.graceful_timeout = 1.0  # streams are already ended by then
-    async with open_worker(engine, policy=policy, observer=metrics) as worker:
-        app = ServerApp(worker, metrics, model=model, max_body_bytes=max_body_bytes)
+    async with open_worker(engine, policy=policy, observer=metrics, prefill=prefill) as worker:
+        app = ServerApp(
+            worker, metrics, model=model, max_body_bytes=max_body_bytes, kv_rooms=kv_rooms
+        )
         async with trio.open_nursery() as nursery:
 
             async def http(task_status: trio.TaskStatus[list[str]]) -> None:

@@ -1,0 +1,249 @@
+"""The load: simulated users streaming from the server, each one leaving now and then.
+
+Every user is a trio task in one nursery with its own ``httpx.AsyncClient``
+(one connection, kept alive between its requests, as separate users have
+separate connections). It loops over the three streaming endpoints until the
+run's end, reading each server-sent event stream to ``[DONE]``; a share of
+its requests it abandons at a random moment, before the first token or in
+the middle of the stream, by leaving a ``trio.move_on_after`` block: httpx
+closes the connection when a read is cancelled, so the server sees the
+client go exactly as it would see a real one. After leaving, a user goes on
+with a new client (see ``_client``).
+
+Why httpx rather than raw sockets: it is a real HTTP/1.1 client (the one the
+``openai`` SDK is built on), it runs on trio, and on the project's 2-core
+machine 1,000 of these users reading about 3,300 events/s cost the client
+process about 0.6 of a core, which leaves the server the other core. Two
+details make that true: every client shares one SSL context (httpx otherwise
+builds one per client, loading the CA bundle, about 17 ms of CPU each: 17 s
+for 1,000 clients, although loopback HTTP never uses it), and ``trust_env``
+is off, so that no proxy from the environment gets between the users and the
+server on loopback.
+
+Every wait is bounded: each request by ``trio.move_on_after`` (its moment
+of leaving, or ``request_timeout``), the whole run by a ``trio.fail_after``
+guard that only a bug can reach.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import ssl
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import trio
+
+__all__ = ["ENDPOINTS", "LEFT", "LoadShape", "Outcome", "Tally", "http_client", "run_clients"]
+
+ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+#: How a request ended. A client that leaves "before the first token" may be
+#: early enough that no response (not even its headers) came back yet.
+Outcome = Literal[
+    "completed", "left_before_response", "left_before_first_token", "left_mid_stream", "failed"
+]
+LEFT: tuple[Outcome, ...] = ("left_before_response", "left_before_first_token", "left_mid_stream")
+
+_SHARED_SSL = ssl.create_default_context()
+_ERROR_EVENT = 'data: {"error"'
+
+
+def http_client(url: str, timeout: float) -> httpx.AsyncClient:
+    """One user's client: at most one connection, kept alive between requests."""
+    return httpx.AsyncClient(
+        base_url=url,
+        timeout=timeout,
+        verify=_SHARED_SSL,
+        trust_env=False,
+        limits=httpx.Limits(max_connections=1),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadShape:
+    """What the users do; times in seconds."""
+
+    clients: int
+    duration: float
+    #: The share of requests abandoned; half of those before the first token.
+    disconnect_fraction: float
+    max_tokens: int
+    #: When the first token is due after a request is sent, and then every token.
+    first_token_after: float
+    token_interval: float
+    #: Users start at uniformly random moments within this first part of the
+    #: duration, so that their tokens are not all due in the same instant.
+    ramp: float
+    #: A request not done after this long counts as failed (a bound, not a target).
+    request_timeout: float
+    seed: int
+
+    @property
+    def deadline(self) -> float:
+        """The most a run can take: its last request starts just before the end."""
+        return self.duration + self.request_timeout + 5.0
+
+    def leave_after(self, rng: random.Random) -> float | None:
+        """When to abandon the next request (seconds after sending it), or None to read it all."""
+        if rng.random() >= self.disconnect_fraction:
+            return None
+        if rng.random() < 0.5:
+            return rng.uniform(0.0, self.first_token_after)
+        last_token = self.first_token_after + (self.max_tokens - 1) * self.token_interval
+        return rng.uniform(self.first_token_after, last_token)
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the users saw. Every request ends in exactly one outcome."""
+
+    outcomes: Counter[tuple[str, Outcome]] = field(default_factory=Counter)
+    #: Why failed requests failed: an httpx error's class, a status, a timeout...
+    failures: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int] = field(default_factory=Counter)
+    #: Error events inside a 200 stream (the server ending it), by their code.
+    stream_errors: Counter[int] = field(default_factory=Counter)
+    #: Server-sent events with a token (one token each: ``n`` is 1).
+    tokens: int = 0
+    in_flight: int = 0
+
+    def count(self, outcome: Outcome | None = None, endpoint: str | None = None) -> int:
+        """Requests that ended so, at that endpoint (None: any)."""
+        return sum(
+            value
+            for (where, what), value in self.outcomes.items()
+            if outcome in (None, what) and endpoint in (None, where)
+        )
+
+    def server_errors(self) -> int:
+        """5xx answers, as a status or as an error event in the stream."""
+        return sum(
+            count
+            for code, count in (*self.statuses.items(), *self.stream_errors.items())
+            if code >= 500
+        )
+
+
+def _body(endpoint: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    if endpoint == "/generate":
+        return {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_tokens}}
+    if endpoint == "/v1/completions":
+        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    messages = [{"role": "user", "content": prompt}]
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+
+
+@dataclass(slots=True)
+class _Seen:
+    status: int | None = None
+    tokens: int = 0
+    error: int | None = None
+    done: bool = False
+
+
+async def _read(
+    client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], seen: _Seen
+) -> None:
+    async with client.stream("POST", endpoint, json=body) as response:
+        seen.status = response.status_code
+        if seen.status != 200:
+            await response.aread()
+            return
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                seen.done = True
+            elif line.startswith(_ERROR_EVENT):
+                seen.error = int(json.loads(line.removeprefix("data: "))["error"]["code"])
+            elif line.startswith("data: "):
+                seen.tokens += 1
+
+
+async def _request(
+    client: httpx.AsyncClient,
+    endpoint: str,
+    body: dict[str, Any],
+    leave_after: float | None,
+    shape: LoadShape,
+    tally: Tally,
+) -> None:
+    seen = _Seen()
+    outcome: Outcome = "failed"
+    tally.in_flight += 1
+    try:
+        with trio.move_on_after(
+            shape.request_timeout if leave_after is None else leave_after
+        ) as scope:
+            await _read(client, endpoint, body, seen)
+    except httpx.HTTPError as exc:
+        tally.failures[type(exc).__name__] += 1
+    else:
+        outcome = _outcome(seen, leave_after, scope.cancelled_caught, tally)
+    finally:
+        tally.in_flight -= 1
+    tally.tokens += seen.tokens
+    if seen.status is not None:
+        tally.statuses[seen.status] += 1
+    tally.outcomes[endpoint, outcome] += 1
+
+
+def _outcome(seen: _Seen, leave_after: float | None, cut: bool, tally: Tally) -> Outcome:
+    """Judge one request that raised nothing; count why it failed, if it did."""
+    if seen.error is not None:
+        tally.stream_errors[seen.error] += 1
+        tally.failures[f"error event {seen.error}"] += 1
+        return "failed"
+    if seen.status not in (None, 200):
+        tally.failures[f"HTTP {seen.status}"] += 1
+        return "failed"
+    if seen.done:
+        return "completed"  # including one that ended before its moment to leave
+    if seen.status is None:
+        phase: Outcome = "left_before_response"
+    else:
+        phase = "left_mid_stream" if seen.tokens else "left_before_first_token"
+    if cut and leave_after is not None:
+        return phase
+    where = phase.removeprefix("left_").replace("_", " ")
+    tally.failures[f"timed out {where}" if cut else "stream ended without [DONE]"] += 1
+    return "failed"
+
+
+async def _client(
+    index: int, url: str, model: str, shape: LoadShape, stop_at: float, tally: Tally
+) -> None:
+    """One user: requests one after another; after leaving one, a new ``AsyncClient``.
+
+    A user who left has closed the connection anyway, and the new client
+    steps around an httpcore bug (encode/httpcore#1093, still in 1.0.9): a
+    request cancelled after the pool handed it a new connection but before
+    that connection was established leaves the connection in the pool,
+    neither usable nor reclaimed, so the next request on the same client waits
+    for the pool until it times out.
+    """
+    rng = random.Random(f"{shape.seed}/{index}")
+    await trio.sleep(rng.uniform(0.0, shape.ramp))
+    while trio.current_time() < stop_at:
+        async with http_client(url, shape.request_timeout) as client:
+            leave_after: float | None = None
+            while leave_after is None and trio.current_time() < stop_at:
+                endpoint = rng.choice(ENDPOINTS)
+                body = _body(endpoint, model, f"user {index} says hello", shape.max_tokens)
+                leave_after = shape.leave_after(rng)
+                await _request(client, endpoint, body, leave_after, shape, tally)
+
+
+async def run_clients(url: str, model: str, shape: LoadShape, tally: Tally) -> None:
+    """Run ``shape.clients`` users for ``shape.duration`` s; return once every request ended.
+
+    The duration includes the ramp; no request starts after it, and the last
+    ones are read to their end (or left at their moment) as usual.
+    """
+    stop_at = trio.current_time() + shape.duration
+    with trio.fail_after(shape.deadline):
+        async with trio.open_nursery() as nursery:
+            for index in range(shape.clients):
+                nursery.start_soon(_client, index, url, model, shape, stop_at, tally)

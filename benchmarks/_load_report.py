@@ -1,0 +1,261 @@
+"""What a load run found: the invariants it is judged by, the table a person reads, the JSON.
+
+The server-side numbers are differences of two ``/metrics`` scrapes, one
+after the warm-up (the server settled) and one after the run (settled
+again), except the ones that must be zero for the server's whole life: lost
+aborts, unconfirmed cleanups, requests the engine still holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from _load_clients import ENDPOINTS, LEFT, Outcome, Tally
+from _load_config import Config
+from _load_metrics import Scrape, bucket_delta, histogram_quantile
+from _report import Target
+
+__all__ = ["LoadReport", "mib"]
+
+_MIB = float(2**20)
+_ABORT_DELAY = "trio_sglang_abort_delay_seconds"
+_QUANTILE_METHOD = (
+    f"server histogram {_ABORT_DELAY} (from the worker seeing the client's stream end to "
+    "the cleanup confirming the engine let go), difference of the scrapes before and after "
+    "the run; quantiles by linear interpolation inside the bucket they fall in"
+)
+
+
+#: The table's columns: title, and the outcome it counts (None: every request).
+_COLUMNS: tuple[tuple[str, Outcome | None], ...] = (
+    ("requests", None),
+    ("completed", "completed"),
+    ("left, no response yet", "left_before_response"),
+    ("left before 1st token", "left_before_first_token"),
+    ("left mid-stream", "left_mid_stream"),
+    ("failed", "failed"),
+)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f} ms"
+
+
+def mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / _MIB:.1f} MiB"
+
+
+@dataclass(slots=True)
+class LoadReport:
+    config: Config
+    tally: Tally
+    warmup: Tally
+    before: Scrape
+    after: Scrape
+    #: Seconds the server took to settle after the run (None: not within the bound).
+    settle_s: float | None
+    #: The largest resident memory sampled during the run (every progress line).
+    #: Memory and CPU are None where the server exports no ``process_*`` metrics.
+    peak_rss: float | None
+    #: The server's exit status after SIGINT (None: still running at the bound).
+    exit_status: int | None
+    stop_s: float
+    log_levels: dict[str, int]
+    log_notable: list[str]
+    #: The load phase alone, and the whole run (start-up to exit).
+    load_s: float
+    runtime_s: float
+    client_cpu_s: float
+    load_average: tuple[float, float]
+    checks: list[Target] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.checks = self._checks()
+
+    @property
+    def passed(self) -> bool:
+        return all(check.met for check in self.checks)
+
+    # -- derived figures ---------------------------------------------------------
+
+    def _delta_by(self, name: str, label: str) -> dict[str, int]:
+        before = self.before.by_label(name, label)
+        after = self.after.by_label(name, label)
+        return {key: round(value - before.get(key, 0.0)) for key, value in sorted(after.items())}
+
+    def abort_delay(self) -> dict[str, Any]:
+        buckets = bucket_delta(self.after.buckets(_ABORT_DELAY), self.before.buckets(_ABORT_DELAY))
+        return {
+            "cleanups": round(buckets[-1][1]),
+            "p50_s": histogram_quantile(0.5, buckets),
+            "p99_s": histogram_quantile(0.99, buckets),
+            "buckets": {f"{bound:g}".replace("inf", "+Inf"): round(n) for bound, n in buckets},
+            "method": _QUANTILE_METHOD,
+        }
+
+    def server(self) -> dict[str, Any]:
+        rss = "process_resident_memory_bytes"
+        cpu_before, cpu_after = (
+            scrape.get("process_cpu_seconds_total") for scrape in (self.before, self.after)
+        )
+        sim = "trio_sglang_sim_events_total"
+        return {
+            "requests": self._delta_by("trio_sglang_requests_total", "outcome"),
+            "cancellations": self._delta_by("trio_sglang_cancellations_total", "phase"),
+            "engine_events": self._delta_by(sim, "kind"),
+            "engine_live_requests": round(self.after.value("trio_sglang_engine_live_requests")),
+            "aborts_lost": round(self.after.value(sim, kind="abort_lost")),
+            "cleanups_unconfirmed": round(
+                self.after.value("trio_sglang_cleanups_unconfirmed_total")
+            ),
+            "rss_bytes": {
+                "before": self.before.get(rss),
+                "after": self.after.get(rss),
+                "peak": self.peak_rss,
+            },
+            "cpu_cores": None
+            if cpu_before is None or cpu_after is None
+            else (cpu_after - cpu_before) / self.load_s,
+            "settle_s": self.settle_s,
+            "exit_status": self.exit_status,
+            "stop_s": self.stop_s,
+            "log_levels": self.log_levels,
+            "log_notable": self.log_notable,
+        }
+
+    # -- the invariants --------------------------------------------------------------
+
+    def _checks(self) -> list[Target]:
+        tally, server = self.tally, self.server()
+        completed = tally.count("completed")
+        left = sum(tally.count(outcome) for outcome in LEFT)
+        errors = self.log_levels.get("ERROR", 0) + self.log_levels.get("CRITICAL", 0)
+        stop = self.config.stop_timeout
+        checks = [
+            _zero("responses 5xx (status, or an error event in the stream)", tally.server_errors()),
+            _zero("requests failed", tally.count("failed"), _pairs(tally.failures.items())),
+            _zero("requests the engine still holds at the end", server["engine_live_requests"]),
+            _zero("aborts lost at the engine", server["aborts_lost"]),
+            _zero(
+                "cleanups unconfirmed (ended with the engine holding the request)",
+                server["cleanups_unconfirmed"],
+            ),
+            _zero("ERROR lines in the server's log", errors),
+            Target(
+                "server settled after the run (no open stream, no cleanup in flight)",
+                f"within {self.config.settle_timeout:g} s",
+                "no" if self.settle_s is None else f"in {self.settle_s:.2f} s",
+                self.settle_s is not None,
+            ),
+            Target(
+                "server exits 0 on SIGINT",
+                f"within {stop:g} s",
+                f"status {self.exit_status} in {self.stop_s:.2f} s"
+                if self.exit_status is not None
+                else f"still running after {stop:g} s",
+                self.exit_status == 0,
+            ),
+        ]
+        if self.config.disconnect_fraction > 0:
+            checks.append(
+                Target(
+                    "the load did both: requests completed and requests left",
+                    "> 0 and > 0",
+                    f"{completed:,} and {left:,}",
+                    completed > 0 and left > 0,
+                )
+            )
+        return checks
+
+    # -- what a person reads ---------------------------------------------------------
+
+    def format(self) -> str:
+        c, tally, server = self.config, self.tally, self.server()
+        delay = self.abort_delay()
+        rss = server["rss_bytes"]
+        lines = [
+            f"Load over loopback: {c.clients:,} clients for {c.duration:g} s, "
+            f"{c.disconnect_fraction:.0%} of requests abandoned, {c.max_tokens} tokens each "
+            f"(seed {c.seed})",
+            f"server: trio-sglang serve {' '.join(c.serve_args())}",
+            "",
+            f"{'endpoint':<22}" + "".join(f"{title:>{len(title) + 3}}" for title, _ in _COLUMNS),
+        ]
+        for endpoint in (*ENDPOINTS, None):
+            counts = (
+                f"{tally.count(outcome, endpoint):>{len(title) + 3},}"
+                for title, outcome in _COLUMNS
+            )
+            lines.append(f"{endpoint or 'all':<22}" + "".join(counts))
+        statuses = ", ".join(f"{code} x {n:,}" for code, n in sorted(tally.statuses.items()))
+        engine = server["engine_events"]
+        lines += [
+            "",
+            f"statuses: {statuses or 'none'}; tokens received {tally.tokens:,} (the engine "
+            f"decoded {engine.get('token', 0):,}, aborted {engine.get('abort_applied', 0):,} "
+            f"requests and released {engine.get('released', 0):,} before dispatch)",
+            f"server: requests {_pairs(server['requests'].items())}; "
+            f"client gone {_pairs(server['cancellations'].items())}",
+            f"server memory: RSS {mib(rss['before'])} before, {mib(rss['after'])} after, "
+            f"{mib(rss['peak'])} at the largest sample during the run",
+            f"CPU during the load: server {_cores(server['cpu_cores'])}, clients "
+            f"{_cores(self.client_cpu_s / self.load_s)}; machine load average "
+            f"{self.load_average[0]:.2f} before, {self.load_average[1]:.2f} after",
+            f"disconnect-to-abort over {delay['cleanups']:,} cleanups: p50 {_ms(delay['p50_s'])}, "
+            f"p99 {_ms(delay['p99_s'])} (the server's histogram, interpolated inside buckets)",
+            f"runtime: {self.runtime_s:.1f} s (load {self.load_s:.1f} s)",
+            "",
+            "invariants:",
+            *(check.line() for check in self.checks),
+            "",
+            f"verdict: {'PASS' if self.passed else 'FAIL'}",
+        ]
+        if self.log_notable:
+            lines[-1:-1] = ["server log, last notable lines:", *self.log_notable[-10:], ""]
+        return "\n".join(lines)
+
+    def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
+        tally = self.tally
+        return {
+            "passed": self.passed,
+            "checks": [check.to_json() for check in self.checks],
+            "clients": {
+                "requests": tally.count(),
+                "outcomes": {
+                    endpoint: {
+                        outcome: n
+                        for (where, outcome), n in tally.outcomes.items()
+                        if where == endpoint
+                    }
+                    for endpoint in ENDPOINTS
+                },
+                "failures": dict(tally.failures),
+                "statuses": {str(code): n for code, n in sorted(tally.statuses.items())},
+                "stream_errors": {str(code): n for code, n in sorted(tally.stream_errors.items())},
+                "tokens": tally.tokens,
+                "cpu_cores": self.client_cpu_s / self.load_s,
+                "warmup_requests": self.warmup.count(),
+            },
+            "server": self.server(),
+            "disconnect_to_abort": self.abort_delay(),
+            "load_s": round(self.load_s, 2),
+            "runtime_s": round(self.runtime_s, 1),
+            "load_average": {"before": self.load_average[0], "after": self.load_average[1]},
+            "config": self.config.to_json(),
+            "machine": machine,
+        }
+
+
+def _cores(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} cores"
+
+
+def _zero(what: str, count: int, detail: str = "") -> Target:
+    measured = f"{count:,} ({detail})" if count and detail else f"{count:,}"
+    return Target(what, "0", measured, count == 0)
+
+
+def _pairs(items: Iterable[tuple[str, int]]) -> str:
+    return ", ".join(f"{key} {value:,}" for key, value in items) or "none"

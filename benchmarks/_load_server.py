@@ -1,0 +1,145 @@
+"""``trio-sglang serve`` as the load test's subprocess: started, watched, scraped, stopped.
+
+The server runs as a user runs it (``python -m trio_sglang serve`` on a free
+loopback port), in its own process, so that its memory and CPU are its own
+and the clients' work does not run on its event loop. ``trio.run_process`` in
+a nursery owns it: however the load test ends, leaving the nursery
+terminates a server still running (SIGTERM, then SIGKILL after 5 s) and
+reaps it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import httpx
+import trio
+
+from _load_clients import http_client
+from _load_metrics import Scrape
+
+__all__ = ["ServerLog", "ServerProcess", "open_server"]
+
+_SERVING = re.compile(r"serving \S+ on (http://\S+)")
+_QUIET_LEVELS = ("DEBUG", "INFO")
+_LEVELS = (*_QUIET_LEVELS, "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(slots=True)
+class ServerLog:
+    """The server's output (stdout and stderr, one pipe): lines counted by level.
+
+    Lines above INFO, and lines with no level (tracebacks, ``print``), are
+    kept, the last 40 of them: enough to see what went wrong, bounded however
+    much the server logs under load.
+    """
+
+    levels: Counter[str] = field(default_factory=Counter)
+    notable: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    url: str | None = None
+    #: Set once the server said where it listens, or its output ended.
+    ready: trio.Event = field(default_factory=trio.Event)
+
+    def feed(self, line: str) -> None:
+        level = line.split(" ", 1)[0]
+        self.levels[level if level in _LEVELS else "other"] += 1
+        if level not in _QUIET_LEVELS:
+            self.notable.append(line)
+        if self.url is None and (match := _SERVING.search(line)):
+            self.url = match.group(1)
+            self.ready.set()
+
+    async def drain(self, stream: trio.abc.ReceiveStream) -> None:
+        pending = b""
+        async for chunk in stream:
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                self.feed(line.decode(errors="replace"))
+        if pending:
+            self.feed(pending.decode(errors="replace"))
+        self.ready.set()
+
+
+@dataclass(slots=True)
+class ServerProcess:
+    process: trio.Process
+    url: str
+    log: ServerLog
+    #: The operator's client (health, metrics), apart from the users' connections.
+    admin: httpx.AsyncClient
+
+    async def scrape(self) -> Scrape:
+        response = await self.admin.get("/metrics")
+        response.raise_for_status()
+        return Scrape.parse(response.text)
+
+    async def model(self) -> str:
+        response = await self.admin.get("/v1/models")
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+
+    async def settled(self) -> Scrape:
+        """Poll until no stream is open and no cleanup is in flight (the caller bounds it)."""
+        while True:
+            scrape = await self.scrape()
+            if (
+                scrape.value("trio_sglang_cleanup_tasks_in_flight") == 0
+                and scrape.value("trio_sglang_open_streams") == 0
+            ):
+                return scrape
+            await trio.sleep(0.05)
+
+    def interrupt(self) -> None:
+        """SIGINT, as a user's Ctrl-C; ``process.wait()`` then gives the exit status."""
+        self.process.send_signal(signal.SIGINT)
+
+
+@asynccontextmanager
+async def open_server(
+    args: Sequence[str], *, start_timeout: float, http_timeout: float
+) -> AsyncIterator[ServerProcess]:
+    """Start ``trio-sglang serve --port 0 ARGS``; yield it once ``/health`` answers 200."""
+    command = [sys.executable, "-m", "trio_sglang", "serve", "--port", "0", *args]
+    log = ServerLog()
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                check=False,
+            )
+        )
+        assert process.stdout is not None
+        nursery.start_soon(log.drain, process.stdout)
+        try:
+            with trio.fail_after(start_timeout):
+                url = await _healthy(log, http_timeout)
+            async with http_client(url, http_timeout) as admin:
+                yield ServerProcess(process, url, log, admin)
+        finally:
+            if process.returncode is None:
+                nursery.cancel_scope.cancel()
+
+
+async def _healthy(log: ServerLog, http_timeout: float) -> str:
+    """The server's URL, once it said where it listens and ``/health`` answers 200."""
+    await log.ready.wait()
+    if log.url is None:
+        output = "\n".join(log.notable)
+        raise RuntimeError(f"trio-sglang serve ended before it served:\n{output}")
+    async with http_client(log.url, http_timeout) as probe:
+        while True:
+            if (await probe.get("/health")).status_code == 200:
+                return log.url
+            await trio.sleep(0.05)

@@ -1,0 +1,339 @@
+"""Disaggregated-prefill cancel benchmark: what a client's cancel leaves running on a PD pair.
+
+    python benchmarks/disagg_cancel.py [--quick] [--requests N] [--load L]
+        [--cancel-share S] [--seed S] [--json PATH]
+
+A prefill and a decode ``SimEngine`` (one shared ``SimKVRooms``), a
+trio-sglang prefill worker, and on the decode side one of three approaches
+(``_disagg_approaches.py``): this project's decode worker, the old Dynamo
+worker's first-response abort, and the half fix that cancels only the prefill
+leg. The same stream of long-context requests runs through each, a share of
+the clients leaving at random moments in every phase; the report says how
+much prefill compute went to clients that had left, how much that delayed
+everyone else's first token, and how long decode requests kept their KV
+reservation for nobody (ai-dynamo/dynamo#13691, #14368).
+
+Everything runs on trio's ``MockClock`` (autojump): the reported seconds are
+sim seconds, the modelled GPUs' time, exact and the same on any machine; only
+the runtime line is wall time. Progress on stderr, the tables on stdout,
+every number in the JSON (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from _disagg_approaches import PD_APPROACHES
+from _disagg_metrics import HELD_AFTER, PHASES, ApproachResult, summarize
+from _disagg_run import PROGRESS_STEPS, Workload, run_approach
+from _metrics import percentiles
+from _report import Progress
+from cancel_latency import _LogCounter, machine
+
+__all__ = [
+    "FULL",
+    "QUICK",
+    "Config",
+    "Report",
+    "build_parser",
+    "format_report",
+    "main",
+    "run_benchmark",
+]
+
+#: The default run, and ``--quick`` (what CI runs, a few seconds).
+FULL = Workload()
+QUICK = replace(FULL, requests=300)
+CLOCK = (
+    "trio.testing.MockClock(autojump_threshold=0): every duration is sim seconds, the "
+    "modelled engines' (GPU) time, exact; not wall time"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One run's plan: the workload, and the approaches that each run it from scratch."""
+
+    workload: Workload = FULL
+    approaches: tuple[str, ...] = tuple(PD_APPROACHES)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"workload": self.workload.to_json(), "approaches": list(self.approaches)}
+
+
+@dataclass(slots=True)
+class Report:
+    """Everything one run measured."""
+
+    config: Config
+    results: list[ApproachResult] = field(default_factory=list)
+    #: The workers' log records during the run, counted by message template.
+    worker_log: dict[str, int] = field(default_factory=dict)
+    runtime_s: float = 0.0
+
+    def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "clock": CLOCK,
+            "results": [result.to_json() for result in self.results],
+            "phases": PHASES,
+            "held_after_s": HELD_AFTER,
+            "worker_log": self.worker_log,
+            "config": self.config.to_json(),
+            "machine": machine,
+            "runtime_s": round(self.runtime_s, 1),
+        }
+
+
+def run_benchmark(config: Config, progress: Progress | None = None) -> Report:
+    """Run every approach on the config's workload, each in its own ``trio.run`` on MockClock."""
+    total = len(config.approaches) * PROGRESS_STEPS
+    steps = Progress(total, stream=io.StringIO()) if progress is None else progress
+    report = Report(config)
+    started = time.perf_counter()
+    per_token = config.workload.timing.disagg.prefill_time_per_token
+    for name in config.approaches:
+        # One run's traces are summarized and dropped before the next run starts.
+        report.results.append(summarize(run_approach(name, config.workload, steps), per_token))
+    report.runtime_s = time.perf_counter() - started
+    return report
+
+
+# -- the tables --------------------------------------------------------------------
+
+
+def _sec(value: float | None) -> str:
+    if value is None:
+        return "never"
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _triple(samples: Sequence[float]) -> str:
+    """p50/p99/max; "-" when there is no sample."""
+    if not samples:
+        return "-"
+    stats = percentiles(samples)
+    return "/".join(_sec(stats[key]) for key in ("p50", "p99", "max"))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return [line(header), "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(line, rows)]
+
+
+def _prefill_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
+    return [
+        [
+            r.approach,
+            f"{r.cancels:,}",
+            f"{r.prefill_forward_s:,.0f}",
+            f"{sum(r.wasted_prefill_s):,.1f}",
+            _triple(r.wasted_prefill_s),
+            f"{sum(r.hol_delay_s):,.0f}",
+            _triple(r.hol_delay_s),
+            _triple(r.ttft_s),
+        ]
+        for r in results
+    ]
+
+
+def _decode_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
+    return [
+        [
+            r.approach,
+            f"{r.decode_held:,}",
+            _triple(r.decode_hold_s),
+            f"{r.kv_timeouts:,}",
+            f"{r.decode_tokens_after_cancel:,}",
+            f"{r.stayed_failed:,}",
+            f"{r.live_at_end:,}",
+            f"{r.aborts_lost:,}",
+        ]
+        for r in results
+    ]
+
+
+def _phase_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
+    rows = []
+    for name in PHASES:
+        for r in results:
+            phase = r.phases[name]
+            rows.append(
+                [
+                    name if r is results[0] else "",
+                    r.approach,
+                    f"{phase.cancels:,}",
+                    _triple(phase.wasted_prefill_s),
+                    f"{sum(hold > HELD_AFTER for hold in phase.decode_hold_s):,}",
+                    _triple(phase.decode_hold_s),
+                ]
+            )
+    return rows
+
+
+def format_report(report: Report) -> str:
+    w = report.config.workload
+    t = w.timing.disagg
+    lines = [
+        f"Disaggregated cancels: {w.requests:,} requests, offered prefill load {w.load:g}, "
+        f"{w.cancel_share:.0%} of clients leave at a random moment (seed {w.seed})",
+        f"Clock: {CLOCK}. Prefill {1 / t.prefill_time_per_token:,.0f} tokens/s in chunks of "
+        f"{t.prefill_chunk_tokens:,}; KV wait timeout {t.kv_wait_timeout:g} s.",
+        "",
+        "Prefill side (sim seconds; p50/p99/max):",
+        "",
+        *_table(
+            [
+                "approach",
+                "cancels",
+                "forward s",
+                "wasted s",
+                "wasted per cancel",
+                "HOL s",
+                "HOL per stayer",
+                "stayer TTFT",
+            ],
+            _prefill_rows(report.results),
+        ),
+        "",
+        f"Decode side ('held': let go more than {HELD_AFTER * 1e3:g} ms after the cancel; "
+        "'never' = still held at the end):",
+        "",
+        *_table(
+            [
+                "approach",
+                "held",
+                "hold s per cancel",
+                "kv timeouts",
+                "tokens after",
+                "stayers failed",
+                "live at end",
+                "lost",
+            ],
+            _decode_rows(report.results),
+        ),
+        "",
+        "Per phase at the cancel (wasted prefill s, decode hold s: p50/p99/max):",
+        "",
+        *_table(
+            ["phase", "approach", "cancels", "wasted prefill", "held", "decode hold"],
+            _phase_rows(report.results),
+        ),
+        "",
+        *_runtime_lines(report),
+    ]
+    return "\n".join(lines)
+
+
+def _runtime_lines(report: Report) -> list[str]:
+    lines = [
+        f"{r.approach}: last client left at sim {r.last_client_s:,.0f} s, engines empty at "
+        f"{r.settled_s:,.0f} s; baseline bound hits {r.bound_hits}; "
+        f"{r.runtime_s:.1f} s of wall time"
+        for r in report.results
+    ]
+    lines.append(f"runtime: {report.runtime_s:.1f} s of wall time")
+    if report.worker_log:
+        lines.append(f"worker log: {report.worker_log}")
+    return lines
+
+
+# -- the command line --------------------------------------------------------------
+
+
+def _bounded(kind: Callable[[str], float], low: float, high: float) -> Callable[[str], Any]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="disagg_cancel.py",
+        description="Prefill compute wasted and decode KV held after cancels on a "
+        "prefill/decode pair: trio-sglang vs Dynamo's first-response worker and a "
+        "prefill-only abort, on SimEngines and trio's MockClock.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK.requests} requests (CI, a few seconds)"
+    )
+    parser.add_argument(
+        "--requests", type=_bounded(int, 1, 10**6), help=f"default {FULL.requests:,}"
+    )
+    parser.add_argument(
+        "--load",
+        type=_bounded(float, 0.01, 2.0),
+        help=f"offered prefill load, all prefills computed whole (default {FULL.load})",
+    )
+    parser.add_argument(
+        "--cancel-share",
+        type=_bounded(float, 0.0, 1.0),
+        help=f"share of clients that leave early (default {FULL.cancel_share})",
+    )
+    parser.add_argument("--seed", type=int, help="default 0")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    workload = QUICK if args.quick else FULL
+    chosen = {
+        name: value
+        for name, value in (
+            ("requests", args.requests),
+            ("load", args.load),
+            ("cancel_share", args.cancel_share),
+            ("seed", args.seed),
+        )
+        if value is not None
+    }
+    return Config(replace(workload, **chosen))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    counter = _LogCounter()
+    worker_log = logging.getLogger("trio_sglang")
+    worker_log.addHandler(counter)
+    worker_log.propagate = False
+    progress = Progress(len(config.approaches) * PROGRESS_STEPS)
+    try:
+        report = run_benchmark(config, progress)
+    finally:
+        worker_log.removeHandler(counter)
+        worker_log.propagate = True
+    progress.finish()
+    report.worker_log = dict(counter.counts)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_json(machine()), indent=2) + "\n")
+        print(f"\nJSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""KV rooms across processes: a prefill server hosts its rooms, decode engines reach them.
+
+SGLang pairs the two legs of a disaggregated request through the prefill
+side's bootstrap server, which the decode side finds at the request's
+``bootstrap_host:bootstrap_port``. ``serve`` does the same for the
+SimEngine: a prefill server serves its ``SimKVRooms`` under
+``/bootstrap/rooms/<room>`` on its own HTTP port (so its bootstrap port is
+its HTTP port), and a decode SimEngine's ``HTTPKVRooms`` goes to whichever
+prefill server each request names. That is what lets sglang-router's PD mode
+pair two ``serve`` processes: it writes the prefill server's host and the
+bootstrap port it was given into every request.
+
+Only the decode side's calls cross the network, as in SGLang:
+
+- its events (``decode_ready``, the handshake; ``decode_aborted``, SGLang's
+  abort notification) and its being done with the room are sent in order
+  per room, a batch per ``POST``, by one task per room with messages
+  pending; each attempt is bounded, and failures are retried for at most
+  ``delivery_timeout`` seconds, then logged;
+- its wait for ``kv_sent`` is a long poll (``GET ...?wait=kv_sent``) that the
+  server holds at most ``hold`` seconds and the client sends again until the
+  event comes. The decode scheduler bounds the whole wait (its KV timeout) and
+  cancels it when the request is aborted; a cancelled poll closes its
+  connection, which ends the hold at the server at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, get_args
+from urllib.parse import parse_qs
+
+import httpx
+import trio
+
+from .._sim_disagg import BootstrapAddr, RoomEvent, SimKVRooms
+from ._asgi import ClientGone, Receive, Scope, Send, read_json, send_json
+from ._errors import HTTPError
+
+__all__ = ["ROOMS_PATH", "HTTPKVRooms", "KVRoomsApp", "open_http_kv_rooms"]
+
+logger = logging.getLogger("trio_sglang.server")
+
+#: Where a prefill server serves its rooms: ``ROOMS_PATH + str(room)``.
+ROOMS_PATH = "/bootstrap/rooms/"
+#: The longest the server holds a long poll, whatever the client asks.
+MAX_HOLD = 30.0
+#: A message is a few events and a flag.
+_MAX_MESSAGE_BYTES = 4096
+_EVENTS: tuple[RoomEvent, ...] = get_args(RoomEvent)
+
+
+# -- the prefill server's side -------------------------------------------------
+
+
+class KVRoomsApp:
+    """The bootstrap server's routes over a prefill server's ``SimKVRooms`` (ASGI).
+
+    ``POST <ROOMS_PATH><room>`` with ``{"events": [...], "done": bool}`` records
+    the events in order, then, if ``done``, that the decode side is done with
+    the room. ``GET <ROOMS_PATH><room>?wait=<event>,...&hold=<seconds>``
+    answers ``{"events": [...]}``, those wanted that happened, as soon as one
+    has; none after ``hold`` seconds, and none at once for a room the server
+    does not hold (never handshaken, or forgotten by both sides): the client
+    asks again later.
+    """
+
+    def __init__(self, rooms: SimKVRooms) -> None:
+        self.rooms = rooms
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            room = _room_of(scope["path"])
+            if scope["method"] == "POST":
+                self._record(room, await read_json(scope, receive, _MAX_MESSAGE_BYTES))
+                await send_json(send, 200, {})
+            elif scope["method"] == "GET":
+                wanted, hold = _wait_query(scope.get("query_string", b""))
+                events = await self._wait(room, wanted, hold, receive)
+                if events is not None:
+                    await send_json(send, 200, {"events": sorted(events)})
+            else:
+                raise HTTPError(405, f"{scope['method']} is not allowed on {scope['path']}")
+        except ClientGone:
+            return
+        except HTTPError as exc:
+            await send_json(send, exc.status, exc.body())
+
+    def _record(self, room: int, message: dict[str, Any]) -> None:
+        events, done = message.get("events", []), message.get("done", False)
+        if not isinstance(events, list) or not all(e in _EVENTS for e in events):
+            raise HTTPError(400, f"'events' must be a list of {', '.join(_EVENTS)}")
+        if not isinstance(done, bool):
+            raise HTTPError(400, "'done' must be a bool")
+        for event in events:
+            self.rooms.post(room, event)
+        if done:
+            self.rooms.side_done(room)
+
+    async def _wait(
+        self, room: int, wanted: frozenset[RoomEvent], hold: float, receive: Receive
+    ) -> frozenset[RoomEvent] | None:
+        """The long poll; ``None`` if the client left first (its wait was cancelled)."""
+        if room not in self.rooms:
+            return frozenset()
+        events: frozenset[RoomEvent] | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_at_disconnect, receive, nursery.cancel_scope)
+            with trio.move_on_after(hold):
+                events = await self.rooms.wait(room, wanted)
+            # Not reached when the disconnect cancelled the body: events stays None.
+            events = frozenset() if events is None else events
+            nursery.cancel_scope.cancel()
+        return events
+
+
+async def _cancel_at_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _room_of(path: str) -> int:
+    text = path.removeprefix(ROOMS_PATH)
+    # ASCII digits only (``int`` takes other scripts' too), and few enough for ``int``.
+    if not (text.isascii() and text.isdigit() and len(text) <= 19) or int(text) >= 2**63:
+        raise HTTPError(404, f"no route {path}: a room is an int in [0, 2**63)")
+    return int(text)
+
+
+def _wait_query(query: bytes) -> tuple[frozenset[RoomEvent], float]:
+    params = parse_qs(query.decode("latin-1"))
+    names = ",".join(params.get("wait", [])).split(",")
+    wanted = frozenset(e for e in _EVENTS if e in names)
+    if not wanted or len(wanted) != len(set(names)):
+        raise HTTPError(400, f"'wait' must name events among {', '.join(_EVENTS)}")
+    try:
+        hold = float(params.get("hold", ["0"])[0])
+    except ValueError:
+        hold = -1.0
+    if not 0 <= hold <= MAX_HOLD:
+        raise HTTPError(400, f"'hold' must be seconds in [0, {MAX_HOLD}]")
+    return wanted, hold
+
+
+# -- the decode engine's side ----------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class _RemoteRoom:
+    """What the decode side knows of one room at one prefill server."""
+
+    #: ``None`` when the request named no complete bootstrap address.
+    url: str | None
+    #: Events posted from here or seen at the server: what ``happened`` knows.
+    seen: set[RoomEvent] = field(default_factory=set)
+    #: Events not sent yet, in order.
+    outbox: list[RoomEvent] = field(default_factory=list)
+    #: ``side_done`` was called; ``done_sent`` once the server was told (or given up on).
+    done: bool = False
+    done_sent: bool = False
+    #: Set while a task sends this room's messages; set (the event) when it stops.
+    sending: trio.Event | None = None
+    #: A failed long poll is logged once per room, not at every retry.
+    poll_failed: bool = False
+
+
+class HTTPKVRooms:
+    """``KVRooms`` for a decode SimEngine whose prefill sides are prefill ``serve`` processes.
+
+    Made by ``open_http_kv_rooms``, whose nursery owns its sending tasks.
+    ``happened`` answers from what this side posted and what its waits saw:
+    the decode scheduler asks nothing more. A room is forgotten here once the
+    server has been told that this side is done with it.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        nursery: trio.Nursery,
+        *,
+        hold: float,
+        http_timeout: float,
+        retry_interval: float,
+        delivery_timeout: float,
+    ) -> None:
+        self._client = client
+        self._nursery = nursery
+        self._hold = hold
+        self._poll_timeout = httpx.Timeout(http_timeout, read=http_timeout + hold)
+        self._retry_interval = retry_interval
+        self._delivery_timeout = delivery_timeout
+        self._rooms: dict[tuple[BootstrapAddr, int], _RemoteRoom] = {}
+
+    def __len__(self) -> int:
+        """Rooms this side has not told its prefill server it is done with."""
+        return len(self._rooms)
+
+    def post(self, room: int, event: RoomEvent, at: BootstrapAddr) -> None:
+        state = self._room(room, at)
+        state.seen.add(event)
+        state.outbox.append(event)
+        self._send_soon(room, at, state)
+
+    def happened(self, room: int, event: RoomEvent, at: BootstrapAddr) -> bool:
+        state = self._rooms.get((at, room))
+        return state is not None and event in state.seen
+
+    async def wait(
+        self, room: int, wanted: frozenset[RoomEvent], at: BootstrapAddr
+    ) -> frozenset[RoomEvent]:
+        """Long polls until one of ``wanted`` happened; unbounded, as the caller bounds it."""
+        state = self._room(room, at)
+        while not (state.seen & wanted):
+            if state.sending is not None:
+                # The handshake has to reach the server before the poll does,
+                # or the server answers at once that it holds no such room.
+                await state.sending.wait()
+            started = trio.current_time()
+            state.seen |= await self._poll(room, state, wanted)
+            if not (state.seen & wanted):
+                # A poll answered early (an error, an unknown room) must not spin.
+                await trio.sleep_until(started + self._retry_interval)
+        return frozenset(state.seen & wanted)
+
+    def side_done(self, room: int, at: BootstrapAddr) -> None:
+        state = self._room(room, at)
+        state.done = True
+        self._send_soon(room, at, state)
+
+    def _room(self, room: int, at: BootstrapAddr) -> _RemoteRoom:
+        state = self._rooms.get((at, room))
+        if state is None:
+            url = None
+            if at.host is not None and at.port is not None:
+                host = f"[{at.host}]" if ":" in at.host else at.host
+                url = f"http://{host}:{at.port}{ROOMS_PATH}{room}"
+            state = self._rooms[at, room] = _RemoteRoom(url)
+        return state
+
+    def _send_soon(self, room: int, at: BootstrapAddr, state: _RemoteRoom) -> None:
+        if state.sending is None:
+            state.sending = trio.Event()
+            self._nursery.start_soon(self._send, room, at, state)
+
+    async def _send(self, room: int, at: BootstrapAddr, state: _RemoteRoom) -> None:
+        """Send the room's messages in order, a batch per ``POST``, until none is left."""
+        assert state.sending is not None
+        try:
+            while state.outbox or (state.done and not state.done_sent):
+                done = state.done
+                message = {"events": state.outbox, "done": done}
+                state.outbox = []
+                await self._deliver(room, state, message)
+                state.done_sent = done
+        finally:
+            state.sending.set()
+            state.sending = None
+            if state.done_sent:
+                del self._rooms[at, room]
+
+    async def _deliver(self, room: int, state: _RemoteRoom, message: dict[str, Any]) -> None:
+        """``POST`` one message; retried for at most ``delivery_timeout``, then logged."""
+        why = "the request named no bootstrap_host and bootstrap_port"
+        with trio.move_on_after(self._delivery_timeout):
+            while state.url is not None:
+                started = trio.current_time()
+                try:
+                    response = await self._client.post(state.url, json=message)
+                except httpx.HTTPError as exc:  # every attempt is bounded by the client's timeout
+                    why = repr(exc)
+                else:
+                    if response.is_success:
+                        return
+                    why = f"HTTP {response.status_code}: {response.text[:200]}"
+                    if response.is_client_error:
+                        break  # not a prefill server on the SimEngine: retrying will not help
+                await trio.sleep_until(started + self._retry_interval)
+        logger.warning(
+            "could not tell the prefill side at %s about room %d (%s): %s; it may keep the "
+            "room, and without decode_aborted its prefill, until that ends",
+            state.url,
+            room,
+            message,
+            why,
+        )
+
+    async def _poll(
+        self, room: int, state: _RemoteRoom, wanted: frozenset[RoomEvent]
+    ) -> frozenset[RoomEvent]:
+        """One long poll: those of ``wanted`` the server saw within ``hold`` (maybe none)."""
+        try:
+            if state.url is None:
+                raise ValueError("the request named no bootstrap_host and bootstrap_port")
+            response = await self._client.get(
+                state.url,
+                params={"wait": ",".join(sorted(wanted)), "hold": self._hold},
+                timeout=self._poll_timeout,
+            )
+            response.raise_for_status()
+            payload = response.json()
+            events = payload.get("events") if isinstance(payload, dict) else None
+            if not isinstance(events, list):
+                raise ValueError(f"not a rooms answer: {payload!r:.200}")
+        except (httpx.HTTPError, ValueError) as exc:
+            if not state.poll_failed:
+                state.poll_failed = True
+                logger.warning(
+                    "waiting for room %d at %s failed (%r); trying again every %s s until the "
+                    "decode side's KV timeout",
+                    room,
+                    state.url,
+                    exc,
+                    self._retry_interval,
+                )
+            return frozenset()
+        return frozenset(event for event in wanted if event in events)
+
+
+@asynccontextmanager
+async def open_http_kv_rooms(
+    *,
+    hold: float = 5.0,
+    http_timeout: float = 5.0,
+    retry_interval: float = 0.1,
+    delivery_timeout: float = 10.0,
+    shutdown_grace: float = 1.0,
+) -> AsyncIterator[HTTPKVRooms]:
+    """``HTTPKVRooms`` for the life of the block: enter it before the decode engine runs.
+
+    ``hold`` is how long the server holds one long poll; ``http_timeout`` bounds
+    every other step of an HTTP call (connect, send, read); failed calls are
+    tried again ``retry_interval`` seconds after they started. On exit,
+    messages still going out (the abort notifications of the last requests)
+    get ``shutdown_grace`` seconds, then are cancelled.
+    """
+    # Rooms are internal traffic: no proxy from the environment. Every decode
+    # request waiting for its KV cache holds a connection, so the pool is not
+    # capped (the server's own clients bound how many requests there are).
+    limits = httpx.Limits(max_connections=None)
+    async with (
+        httpx.AsyncClient(timeout=http_timeout, limits=limits, trust_env=False) as client,
+        trio.open_nursery() as nursery,
+    ):
+        try:
+            yield HTTPKVRooms(
+                client,
+                nursery,
+                hold=hold,
+                http_timeout=http_timeout,
+                retry_interval=retry_interval,
+                delivery_timeout=delivery_timeout,
+            )
+        finally:
+            nursery.cancel_scope.deadline = min(
+                nursery.cancel_scope.deadline, trio.current_time() + shutdown_grace
+            )

@@ -1,0 +1,119 @@
+"""``HTTPPrefill``: a prefill ``trio-sglang serve`` as a decode worker's ``PrefillPeer``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import httpx
+import trio
+
+from .._disagg import PrefillFailed
+
+__all__ = ["HTTPPrefill"]
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class HTTPPrefill:
+    """A prefill server over HTTP; an async context manager that owns its connections.
+
+    Each prefill leg is one non-streaming ``POST /generate`` carrying the
+    leg's bootstrap fields, with the request's public id as its ``rid`` (so
+    both servers' logs name it alike). Cancelling ``prefill`` closes that
+    connection, which a prefill ``serve`` turns into a cancel at once (a
+    disconnect kills the request), in whichever queue the leg is: what its
+    ``disagg_prefill_cancel_anytime_v1`` promises.
+
+    ``bootstrap_port`` is where decode engines reach the prefill side's KV
+    rooms: a prefill ``serve`` on the SimEngine hosts them on its HTTP port
+    (the default); on SGLang (``--engine sglang``) it is SGLang's bootstrap
+    server, ``--disaggregation-bootstrap-port`` (8998 unless set).
+    ``prefill_timeout`` bounds one leg from request to answer (a leg can
+    queue behind others: SGLang's own bootstrap and KV waits default to
+    300 s); ``timeout`` bounds connecting, and the whole of ``capabilities``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        bootstrap_port: int | None = None,
+        prefill_timeout: float = 300.0,
+        timeout: float = 5.0,
+    ) -> None:
+        base = httpx.URL(url)
+        if base.scheme not in _DEFAULT_PORTS or not base.host:
+            raise ValueError(f"the prefill server's URL must be http(s)://host[:port], got {url!r}")
+        self.name = url
+        self.bootstrap_host = base.host
+        self.bootstrap_port = bootstrap_port or base.port or _DEFAULT_PORTS[base.scheme]
+        self._prefill_timeout = prefill_timeout
+        self._timeout = timeout
+        # Internal traffic: no proxy from the environment. A leg holds its
+        # connection for as long as it runs, so the pool is not capped (the
+        # decode server's own clients bound how many legs there are).
+        self._client = httpx.AsyncClient(
+            base_url=base,
+            timeout=httpx.Timeout(timeout, read=None),
+            limits=httpx.Limits(max_connections=None),
+            trust_env=False,
+        )
+
+    async def __aenter__(self) -> HTTPPrefill:
+        await self._client.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._client.__aexit__(exc_type, exc, tb)
+
+    async def capabilities(self) -> Mapping[str, Any]:
+        """``GET /capabilities``; ``PrefillFailed`` unless it is a prefill worker's."""
+        with trio.move_on_after(self._timeout):
+            try:
+                response = await self._client.get("/capabilities")
+                response.raise_for_status()
+                capabilities: object = response.json()
+            except (httpx.HTTPError, ValueError) as exc:
+                raise PrefillFailed(f"could not read {self.name}/capabilities: {exc!r}") from exc
+            role = capabilities.get("role") if isinstance(capabilities, dict) else None
+            if not isinstance(capabilities, dict) or role != "prefill":
+                raise PrefillFailed(f"{self.name} is not a prefill worker (role: {role!r})")
+            return capabilities
+        raise PrefillFailed(f"{self.name}/capabilities did not answer in {self._timeout} s")
+
+    async def prefill(self, request: Mapping[str, Any], public_id: str) -> None:
+        """Run one leg; ``PrefillFailed`` on an error answer, an abort, or no answer in time."""
+        body = {**request, "rid": public_id, "stream": False}
+        with trio.move_on_after(self._prefill_timeout):
+            try:
+                response = await self._client.post("/generate", json=body)
+            except httpx.HTTPError as exc:
+                raise PrefillFailed(f"{self.name}: {exc!r}") from exc
+            reason = _finish_reason(response, self.name)
+            if not isinstance(reason, dict) or reason.get("type") != "length":
+                raise PrefillFailed(f"{self.name} ended the prefill with {reason!r}")
+            return
+        raise PrefillFailed(f"{self.name} did not finish the prefill in {self._prefill_timeout} s")
+
+
+def _finish_reason(response: httpx.Response, name: str) -> object:
+    """The ``finish_reason`` of a ``/generate`` answer; ``PrefillFailed`` for an error answer."""
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = None
+    if not response.is_success:
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message") if isinstance(error, dict) else response.text[:200]
+        raise PrefillFailed(f"{name} answered {response.status_code}: {message}")
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict):
+        raise PrefillFailed(f"{name} did not answer as SGLang's /generate: {answer!r:.200}")
+    return meta.get("finish_reason")
