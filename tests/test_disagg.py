@@ -236,6 +236,28 @@ async def test_a_cancel_while_waiting_behind_another_prefill_never_computes_it(
     assert p.live() == set()
 
 
+async def test_a_room_whose_other_side_never_came_is_forgotten(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The decode leg is dispatched at 1.0 and its handshake posted at 1.5;
+    # the prefill leg, still tokenizing at the cancel, never reaches its
+    # scheduler: only one side is ever done with the room.
+    rooms = ts.SimKVRooms(forget_after=300.0)
+    knobs = {**KNOBS, "dispatch_delay": 0.0, "kv_rooms": rooms, "disagg_timing": TIMING}
+    prefill = ts.SimEngine(**{**knobs, "tokenize_delay": 2.0}, disaggregation_mode="prefill")
+    decode = ts.SimEngine(**knobs, disaggregation_mode="decode")
+    async with ts.open_worker(prefill) as prefill_worker:
+        peer = ts.InProcessPrefill(prefill_worker)
+        async with ts.open_worker(decode, prefill=peer) as worker:
+            await stream(worker, "half", cancel_at=1.7)
+            await trio.sleep(299)
+            assert len(rooms) == 1  # kept while the other side may still come
+            await trio.sleep(2)
+            assert len(rooms) == 0
+    assert prefill.trace.kinds(prefill.trace[0].rid) == ["registered", "released"]
+    assert prefill.live_rids() == decode.live_rids() == set()
+
+
 async def test_a_failed_prefill_fails_the_request_and_stops_its_decode_leg(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -294,6 +316,7 @@ async def test_capabilities_of_each_role(autojump_clock: trio.testing.MockClock)
         ("prefill", {**REQUEST, "bootstrap_room": 1, "bootstrap_port": 0}, "bootstrap_port"),
         ("prefill", {**REQUEST, "bootstrap_room": 1, "bootstrap_host": 5}, "bootstrap_host"),
         ("decode", {**REQUEST, "sampling_params": {"n": 2}}, "one prompt with n = 1"),
+        ("decode", {**REQUEST, "bootstrap_room": 3}, "needs bootstrap_host"),
         ("decode", {**REQUEST, "text": ["a", "b"]}, "one prompt with n = 1"),
     ],
 )

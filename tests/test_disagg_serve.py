@@ -498,6 +498,24 @@ async def test_through_the_router_requests_complete(routed: Routed) -> None:
     assert watch.prefill_stops() == 0
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+async def test_through_the_router_the_openai_routes_complete(routed: Routed, endpoint: str) -> None:
+    # The router adds its bootstrap fields to OpenAI bodies too.
+    watch = await Watch.start(routed.pair)
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "stream": True}
+    if endpoint == "/v1/completions":
+        body["prompt"] = "Hello"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hello"}]
+    events: list[Any] = []
+    await stream(routed.url, endpoint, body, events)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    await wait_idle(routed.pair)
+    await watch.update()
+    assert watch.prefill.event("kv_sent") == watch.decode.event("kv_received") == 1
+
+
 async def test_through_the_router_a_client_gone_during_the_prefill_aborts_both_legs(
     routed: Routed,
 ) -> None:

@@ -14,12 +14,14 @@ from ._request import OutputMode
 from ._sglang_engine import SGLangEngine
 from ._sim_disagg import DisaggregationMode, KVRooms, RoomEvent, SimDisaggTiming, SimKVRooms
 from ._sim_engine import SimEngine
+from ._sim_scheduler import BootstrapAddr
 from ._sim_trace import TraceEvent, TraceKind
 from ._version import __version__
 from ._worker import ResponseStream, Worker, open_worker
 
 __all__ = [
     "AbortPolicy",
+    "BootstrapAddr",
     "DisaggregationMode",
     "Engine",
     "EngineError",

@@ -159,6 +159,12 @@ def _check_bootstrap(parsed: ParsedRequest, role: Role) -> None:
     host = parsed.body.get("bootstrap_host")
     if host is not None and not isinstance(host, str):
         raise InvalidRequest(f"bootstrap_host must be a string, got {type(host).__name__}")
+    if role == "decode" and host is None:
+        # SGLang's decode side fails the handshake at once without it.
+        raise InvalidRequest(
+            "a decode worker needs bootstrap_host with bootstrap_room: where the prefill "
+            "side's bootstrap server is"
+        )
     port = parsed.body.get("bootstrap_port")
     if port is not None and (
         isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536

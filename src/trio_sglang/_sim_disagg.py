@@ -127,12 +127,28 @@ class SimKVRooms:
     It is also what a prefill server hosts for decode servers in other
     processes (``trio_sglang.server``); either way the room's address does
     not matter here.
+
+    A room is forgotten when both sides are done with it, or ``forget_after``
+    seconds after one side is done if the other never came (its request was
+    released before dispatch) and nobody waits on it: SGLang's bootstrap
+    server gives up on a room after its bootstrap timeout (300 s) too, and a
+    long-running server must not keep such rooms for ever.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, forget_after: float = 300.0) -> None:
+        if isinstance(forget_after, bool) or not (
+            isinstance(forget_after, int | float) and 0 <= forget_after < math.inf
+        ):
+            raise ValueError(
+                f"forget_after must be a finite number of seconds >= 0, got {forget_after!r}"
+            )
+        self._forget_after = forget_after
         self._rooms: dict[int, _Room] = {}
+        #: (when to forget it, room) for rooms one side is done with, oldest first.
+        self._half_done: deque[tuple[float, int]] = deque()
 
     def __len__(self) -> int:
+        self._forget_abandoned()
         return len(self._rooms)
 
     def __contains__(self, room: int) -> bool:
@@ -163,6 +179,17 @@ class SimKVRooms:
         state.done += 1
         if state.done >= 2:
             del self._rooms[room]
+        else:
+            self._half_done.append((trio.current_time() + self._forget_after, room))
+        self._forget_abandoned()
+
+    def _forget_abandoned(self) -> None:
+        now = trio.current_time()
+        while self._half_done and self._half_done[0][0] <= now:
+            _, room = self._half_done.popleft()
+            state = self._rooms.get(room)
+            if state is not None and state.done == 1 and not state.lot:
+                del self._rooms[room]
 
 
 @dataclass(slots=True, eq=False)

@@ -36,16 +36,21 @@ _SGLANG_IGNORED = {
     "separate_reasoning",
     "stream_reasoning",
 }
+#: Prefill/decode pairing, which sglang-router's PD mode adds to every request;
+#: passed to the worker as is (it checks them against its role).
+_SGLANG_BOOTSTRAP = {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
 _COMPLETION_FIELDS = (
     _COMMON
     | _SGLANG_SAMPLING
     | _SGLANG_IGNORED
+    | _SGLANG_BOOTSTRAP
     | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 )
 _CHAT_FIELDS = (
     _COMMON
     | _SGLANG_SAMPLING
     | _SGLANG_IGNORED
+    | _SGLANG_BOOTSTRAP
     | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 )
 #: OpenAI's default for completions; chat has none (we use the engine's).
@@ -56,6 +61,10 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
     for key in body:
         if key not in known:
             raise HTTPError(400, f"Unrecognized request argument supplied: {key}", param=key)
+
+
+def _bootstrap(body: dict[str, Any]) -> dict[str, Any]:
+    return {key: body[key] for key in _SGLANG_BOOTSTRAP if key in body}
 
 
 # Values in messages go through reprlib: bounded in depth and length, so neither a value
@@ -189,7 +198,7 @@ class CompletionPlan(_OpenAIPlan):
         max_tokens = _int(body, "max_tokens", low=0, default=_COMPLETIONS_DEFAULT_MAX_TOKENS)
         native["sampling_params"], n = _sampling(body, max_tokens)
         stream, include_usage = _stream_flags(body)
-        return cls(native, stream, n, model, include_usage)
+        return cls({**native, **_bootstrap(body)}, stream, n, model, include_usage)
 
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -222,7 +231,7 @@ class ChatPlan(_OpenAIPlan):
             max_tokens = _int(body, "max_tokens", low=0, default=None)
         native["sampling_params"], n = _sampling(body, max_tokens)
         stream, include_usage = _stream_flags(body)
-        return cls(native, stream, n, model, include_usage)
+        return cls({**native, **_bootstrap(body)}, stream, n, model, include_usage)
 
     def __init__(
         self, native: dict[str, Any], stream: bool, n: int, model: str, include_usage: bool
