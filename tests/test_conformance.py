@@ -6,21 +6,27 @@ by ``SGLangEngine`` through trio-asyncio, against the stand-in scheduler
 received and did, per request and in order; on what stayed registered; and
 on what the caller saw. Runs in ``nox -s sglang`` (marker ``sglang``), which
 installs SGLang's CPU-importable parts; real time, not MockClock.
+
+The same holds in the prefill and the decode role (prefill/decode
+disaggregation), with the SimEngine's side on a MockClock there.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 
-from trio_sglang import OutputMode
+from trio_sglang import OutputMode, SimDisaggTiming
 from trio_sglang.harness import (
     CancelPhase,
+    DisaggSetup,
     Observation,
     Scenario,
     SGLangHarness,
@@ -127,4 +133,139 @@ async def test_the_sim_and_the_real_tokenizer_manager_agree(harness: SGLangHarne
             assert real.scheduler == EXPECTED_AT_SCHEDULER[scenario.name], scenario.name
         if comparable(real) != comparable(sim):
             disagreements.append((scenario.name, comparable(sim), comparable(real)))
+    assert disagreements == []
+
+
+# Prefill/decode disaggregation: the real TokenizerManager as a prefill or a decode
+# server's, against the stand-in scheduler's queues for that role, and a SimEngine in the
+# same role; on both, the peer script plays the other side of each bootstrap room.
+
+#: 30 prompt tokens, given as ids so that both sides count the same chunks.
+PD_REQUEST = {
+    "input_ids": list(range(3, 33)),
+    "sampling_params": {"max_new_tokens": 6},
+    "bootstrap_host": "127.0.0.1",
+    "bootstrap_port": 8998,
+    "bootstrap_room": 4242,
+}
+#: From dispatch: bootstrap until the decode side's handshake at 0.3 s; prefilling
+#: in 3 chunks of 10 tokens, 0.2 s each, until 0.9 s; transferring until 1.2 s.
+PREFILL = DisaggSetup(
+    "prefill",
+    peer_delay=0.3,
+    timing=SimDisaggTiming(
+        prefill_time_per_token=0.02, prefill_chunk_tokens=10, kv_transfer_delay=0.3
+    ),
+)
+#: From dispatch: prealloc until its handshake at 0.2 s; transfer until the KV cache
+#: arrives at 0.5 s; then tokens from 0.7 s on (FIRST_TOKEN_DELAY, TOKEN_INTERVAL).
+DECODE = DisaggSetup("decode", peer_delay=0.3, timing=SimDisaggTiming(bootstrap_delay=0.2))
+
+#: What a request that went through every prefill stage left at the scheduler.
+PREFILLED = ["request", "bootstrapped", *["prefill_chunk"] * 3]
+
+#: Each cancel lands mid-stage (at least 0.1 s from its edges); what the scheduler must see.
+PD_SCENARIOS: dict[str, list[tuple[Scenario, list[list[str]]]]] = {
+    "prefill": [
+        (
+            Scenario("prefill-tokenizing", PD_REQUEST, "native", "tokenizing", tokenize_delay=0.3),
+            [],
+        ),
+        (
+            Scenario("prefill-bootstrap", PD_REQUEST, "native", "dispatched", cancel_delay=0.15),
+            [["request", "abort", "abort_applied@bootstrap"]],
+        ),
+        (
+            Scenario("prefill-prefilling", PD_REQUEST, "native", "dispatched", cancel_delay=0.6),
+            # The chunk in the forward pass when the abort came is finished first.
+            [[*PREFILLED[:3], "abort", "prefill_chunk", "abort_applied@prefilling"]],
+        ),
+        (
+            Scenario("prefill-transferring", PD_REQUEST, "native", "dispatched", cancel_delay=1.05),
+            [[*PREFILLED, "abort", "abort_applied@transferring"]],
+        ),
+        (Scenario("prefill-uncancelled", PD_REQUEST, "native"), [[*PREFILLED, "kv_sent"]]),
+        (
+            # The worker refuses it; SGLang's TokenizerManager does not, its scheduler does.
+            Scenario("prefill-trap-no-room", REQUEST, trap="no_bootstrap_room"),
+            [["request", "abort_applied@no bootstrap room"]],
+        ),
+    ],
+    "decode": [
+        (Scenario("decode-tokenizing", PD_REQUEST, "native", "tokenizing", tokenize_delay=0.3), []),
+        (
+            Scenario("decode-prealloc", PD_REQUEST, "native", "dispatched", cancel_delay=0.1),
+            [["request", "abort", "abort_applied@prealloc"]],
+        ),
+        (
+            Scenario("decode-transfer", PD_REQUEST, "native", "dispatched", cancel_delay=0.35),
+            [["request", "bootstrapped", "abort", "abort_applied@transfer"]],
+        ),
+        (
+            Scenario("decode-mid-stream", PD_REQUEST, "native", "mid_stream"),
+            [["request", "bootstrapped", "kv_received", "abort", "abort_applied"]],
+        ),
+        (
+            Scenario("decode-uncancelled", PD_REQUEST, "native"),
+            [["request", "bootstrapped", "kv_received"]],
+        ),
+    ],
+}
+PD_SETUPS = (PREFILL, DECODE)
+
+
+async def _observe_on_harness(
+    workdir: Path, setup: DisaggSetup, seen: dict[str, Observation]
+) -> None:
+    async with open_sglang_harness(
+        workdir=workdir,
+        first_token_delay=FIRST_TOKEN_DELAY,
+        token_interval=TOKEN_INTERVAL,
+        disagg=setup,
+    ) as harness:
+        assert harness.capabilities["role"] == setup.role
+        cancel_anytime = harness.capabilities["features"]["disagg_prefill_cancel_anytime_v1"]
+        assert cancel_anytime is (setup.role == "prefill")
+        for scenario, _ in PD_SCENARIOS[setup.role]:
+            with trio.fail_after(60):
+                seen[scenario.name] = await harness.run(scenario)
+
+
+async def _observe_on_sim() -> dict[str, Observation]:
+    seen = {}
+    for setup in PD_SETUPS:
+        for scenario, _ in PD_SCENARIOS[setup.role]:
+            seen[scenario.name] = await observe_on_sim(
+                scenario,
+                first_token_delay=FIRST_TOKEN_DELAY,
+                token_interval=TOKEN_INTERVAL,
+                disagg=setup,
+            )
+    return seen
+
+
+async def test_the_sim_and_the_real_tokenizer_manager_agree_in_prefill_and_decode_roles(
+    workdir: Path,
+) -> None:
+    """Both roles at once, each on its own harness; the SimEngine on a MockClock.
+
+    The harnesses mostly sleep (the stages are timed), so they run side by
+    side. The SimEngine runs in a trio run of its own (in a thread) on a
+    MockClock: exact and instant, never starved by the harnesses' start.
+    """
+    real: dict[str, Observation] = {}
+    async with trio.open_nursery() as nursery:
+        for setup in PD_SETUPS:
+            nursery.start_soon(_observe_on_harness, workdir, setup, real)
+        on_mock_clock = partial(trio.run, _observe_on_sim, clock=MockClock(autojump_threshold=0))
+        sim = await trio.to_thread.run_sync(on_mock_clock)
+    disagreements = []
+    for setup in PD_SETUPS:
+        for scenario, expected in PD_SCENARIOS[setup.role]:
+            name = scenario.name
+            print(f"{name}: {comparable(real[name])}")
+            assert real[name].registered_after == 0, (name, real[name])
+            assert real[name].scheduler == expected, name
+            if comparable(real[name]) != comparable(sim[name]):
+                disagreements.append((name, comparable(sim[name]), comparable(real[name])))
     assert disagreements == []

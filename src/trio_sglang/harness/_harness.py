@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 
+from ._peer import DisaggSetup
 from ._protocol import ANSWER
 from ._scenarios import Observation, Scenario
 
@@ -72,6 +73,7 @@ async def open_sglang_harness(
     workdir: Path | None = None,
     first_token_delay: float = 0.2,
     token_interval: float = 0.05,
+    disagg: DisaggSetup | None = None,
     start_timeout: float = 300.0,
 ) -> AsyncIterator[SGLangHarness]:
     """Start the host process (real TokenizerManager, stand-in scheduler) and stop it after.
@@ -80,6 +82,8 @@ async def open_sglang_harness(
     model between runs; a temporary directory is used otherwise. The
     scheduler's first output comes ``first_token_delay`` seconds after a
     request reaches it, then one token every ``token_interval`` seconds.
+    ``disagg`` makes the TokenizerManager and the scheduler a prefill or a
+    decode server's, the other side played by its peer script.
     """
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(scratch) if workdir is None else workdir
@@ -95,6 +99,7 @@ async def open_sglang_harness(
                 str(first_token_delay),
                 "--token-interval",
                 str(token_interval),
+                *(() if disagg is None else ("--disagg", disagg.to_text())),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

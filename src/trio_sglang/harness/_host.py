@@ -7,6 +7,13 @@ It builds the tiny model, builds the TokenizerManager the way
 as its child, opens one worker over ``SGLangEngine``, and then answers
 scenario requests read as JSON lines on stdin with JSON lines on stdout
 (prefixed, so that stray prints cannot be mistaken for answers).
+
+With ``--disagg`` (a ``DisaggSetup`` as JSON) the TokenizerManager is a
+prefill or decode server's (``disaggregation_mode``, the default ``mooncake``
+transfer backend: SGLang refuses ``fake`` for prefill), and so is the
+stand-in scheduler. A prefill TokenizerManager starts SGLang's own KV
+bootstrap server (an HTTP server in a thread; no GPU needed): it gets a free
+port, and the host waits until it answers ``/health``.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -28,24 +37,32 @@ import trio
 from .._policy import AbortPolicy
 from .._sglang_engine import SGLangEngine
 from .._worker import open_worker
+from ._peer import DisaggSetup
 from ._protocol import ANSWER
-from ._scenarios import RidRecorder, Scenario, SchedulerEvent, run_scenario
+from ._scenarios import RidRecorder, Scenario, SchedulerEvent, run_scenario, staged_kind
 from ._tiny_model import build_tiny_model
 
 
-def _tokenizer_manager(model: Path) -> tuple[Any, Any]:
+def _tokenizer_manager(model: Path, disagg: DisaggSetup | None) -> tuple[Any, Any]:
     """A TokenizerManager built as ``sglang.Engine`` builds one, and its IPC names."""
     from sglang.srt.entrypoints import engine as sglang_engine
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, ServerArgs
 
+    # Only a prefill server starts the KV bootstrap server (on that port).
+    role: dict[str, Any] = (
+        {}
+        if disagg is None
+        else {"disaggregation_mode": disagg.role, "disaggregation_bootstrap_port": _free_port()}
+    )
     server_args = ServerArgs(
         model_path=str(model),
         device="cpu",
         skip_tokenizer_init=False,
         incremental_streaming_output=True,
         log_level="warning",
+        **role,
     )
     server_args.resolve_once()
     sglang_engine._set_envs_and_config(server_args)
@@ -56,13 +73,33 @@ def _tokenizer_manager(model: Path) -> tuple[Any, Any]:
     return TokenizerManager(server_args, port_args), port_args
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_for_bootstrap_server(port: int, timeout: float = 30) -> None:
+    """Until a prefill TokenizerManager's KV bootstrap server answers ``/health``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the KV bootstrap server on port {port} did not start") from exc
+            time.sleep(0.05)
+
+
 def _scheduler_events(log: Path, since: os.stat_result) -> list[SchedulerEvent]:
     """What the scheduler logged after ``since`` (the log's size then)."""
     with log.open("rb") as f:
         f.seek(since.st_size)
         lines = f.read().splitlines()
     events = [json.loads(line) for line in lines if line.strip()]
-    return [(e["t"], e["kind"], e["rid"]) for e in events]
+    return [(e["t"], staged_kind(e["kind"], e.get("stage")), e["rid"]) for e in events]
 
 
 def _wait_until_ready(scheduler: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
@@ -118,12 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--first-token-delay", type=float, default=0.2)
     parser.add_argument("--token-interval", type=float, default=0.05)
+    parser.add_argument("--disagg", type=DisaggSetup.from_text, help="a DisaggSetup as JSON")
     args = parser.parse_args(argv)
+    disagg: DisaggSetup | None = args.disagg
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     model = build_tiny_model(args.workdir / "tiny-llama")
-    tm, port_args = _tokenizer_manager(model)
-    log = args.workdir / "scheduler.jsonl"
+    tm, port_args = _tokenizer_manager(model, disagg)
+    if tm.bootstrap_server is not None:
+        _wait_for_bootstrap_server(tm.server_args.disaggregation_bootstrap_port)
+    log = args.workdir / f"scheduler-{os.getpid()}.jsonl"
     log.write_bytes(b"")
     scheduler = subprocess.Popen(
         [
@@ -140,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             str(args.token_interval),
             "--log",
             str(log),
+            *(() if disagg is None else ("--disagg", disagg.to_text())),
         ]
     )
     try:

@@ -5,7 +5,9 @@ traps, straight on the engine) and returns an ``Observation`` that does not
 depend on timing or on random ids: what the scheduler received and did, per
 request in order of first appearance; how many requests stayed registered;
 and what the caller saw. The SimEngine reports the scheduler's side from its
-trace; the real TokenizerManager's stand-in scheduler from its log.
+trace; the real TokenizerManager's stand-in scheduler from its log. In a
+prefill or decode role (``DisaggSetup``) the scheduler's side also shows the
+stages a request went through and the stage an abort took it out of.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import trio
@@ -20,7 +23,9 @@ import trio
 from .._context import RequestContext
 from .._engine import Engine, EngineStream, RequestPhase
 from .._request import OutputMode
+from .._sim_disagg import SimKVRooms
 from .._worker import Worker
+from ._peer import DisaggSetup, play_peer
 
 __all__ = [
     "CancelPhase",
@@ -29,15 +34,28 @@ __all__ = [
     "Scenario",
     "SchedulerEvent",
     "run_scenario",
+    "staged_kind",
 ]
 
 CancelPhase = Literal[
     "before_registration", "tokenizing", "dispatched", "mid_stream", "after_finish"
 ]
-RawTrap = Literal["abort_unknown_rid", "abort_twice", "abort_while_tokenizing"]
-#: What a scheduler logs: it received a request or an abort, applied or lost an abort.
+RawTrap = Literal["abort_unknown_rid", "abort_twice", "abort_while_tokenizing", "no_bootstrap_room"]
+#: What a scheduler logs: it received a request or an abort, applied or lost an abort;
+#: and a disaggregated one, each stage a request passed (``kind@stage``: see ``staged_kind``).
 SchedulerEvent = tuple[float, str, str]  # (monotonic time, kind, rid)
-SCHEDULER_KINDS = ("request", "abort", "abort_applied", "abort_lost")
+SCHEDULER_KINDS = (
+    "request",
+    "abort",
+    "abort_applied",
+    "abort_lost",
+    "bootstrapped",
+    "prefill_chunk",
+    "kv_sent",
+    "kv_received",
+    "kv_failed",
+    "kv_timeout",
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,10 @@ class Scenario:
     tokenize_delay: float = 0.0
     #: Instead of a worker request: drive the engine's abort by hand.
     trap: RawTrap | None = None
+    #: Seconds from reaching the ``cancel`` phase to the cancel. The queues of
+    #: a disaggregated scheduler are invisible from the tokenizer side, so a
+    #: cancel in one of them is timed from dispatch, by the known stage timing.
+    cancel_delay: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,11 +104,16 @@ class Observation:
         return asdict(self)
 
 
+def staged_kind(kind: str, stage: str | None) -> str:
+    """An event's kind and the stage it happened in, if any: ``abort_applied@bootstrap``."""
+    return f"{kind}@{stage}" if stage else kind
+
+
 def normalise(events: Iterable[SchedulerEvent]) -> list[list[str]]:
     """Scheduler events grouped per rid, rids in order of first appearance."""
     per_rid: dict[str, list[str]] = {}
     for _, kind, rid in sorted(events, key=lambda e: e[0]):
-        if kind in SCHEDULER_KINDS:
+        if kind.partition("@")[0] in SCHEDULER_KINDS:
             per_rid.setdefault(rid, []).append(kind)
     return list(per_rid.values())
 
@@ -97,11 +124,17 @@ class RidRecorder:
     ``worker.generate`` calls ``engine.generate`` with no checkpoint before
     the block is entered, so right after entering, the last rid is ours.
     Open the worker over the recorder: ``open_worker(RidRecorder(engine))``.
+    ``on_generate`` sees each engine request as it is made.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_generate: Callable[[Mapping[str, Any]], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.last_rid: str | list[str] | None = None
+        self._on_generate = on_generate
 
     def running(self) -> AbstractAsyncContextManager[None]:
         return self.engine.running()
@@ -111,6 +144,8 @@ class RidRecorder:
 
     def generate(self, request: Mapping[str, Any]) -> EngineStream:
         self.last_rid = request["rid"]
+        if self._on_generate is not None:
+            self._on_generate(request)
         return self.engine.generate(request)
 
     def phase(self, rid: str) -> RequestPhase:
@@ -164,7 +199,7 @@ def _time_the_cancel(seen: Observation, events: list[SchedulerEvent], cancelled_
     if len(requests) != 1:
         return  # released before dispatch, or several children: no single delay
     dispatched, rid = requests[0]
-    applied = [t for t, kind, r in events if kind == "abort_applied" and r == rid]
+    applied = [t for t, kind, r in events if kind.startswith("abort_applied") and r == rid]
     if applied:
         seen.abort_delay = applied[0] - max(cancelled_at, dispatched)
 
@@ -197,7 +232,9 @@ async def _run_request(
                     if scenario.cancel == "tokenizing"
                     else RequestPhase.DISPATCHED
                 )
-                nursery.start_soon(_at_phase, recorder.engine, rid, target, cancel)
+                nursery.start_soon(
+                    _at_phase, recorder.engine, rid, target, scenario.cancel_delay, cancel
+                )
             async for chunk in chunks:
                 _note_chunk(seen, chunk, scenario.output)
                 if scenario.cancel == "mid_stream" and seen.chunks == 2:
@@ -211,10 +248,11 @@ async def _run_request(
 
 
 async def _at_phase(
-    engine: Engine, rid: str, target: RequestPhase, action: Callable[[], None]
+    engine: Engine, rid: str, target: RequestPhase, delay: float, action: Callable[[], None]
 ) -> None:
-    """Run ``action`` as soon as ``rid`` reaches ``target`` (bounded)."""
+    """Run ``action`` ``delay`` seconds after ``rid`` reaches ``target`` (bounded)."""
     await _reach_phase(engine, rid, target)
+    await trio.sleep(delay)
     action()
 
 
@@ -242,7 +280,12 @@ def _note_chunk(seen: Observation, chunk: dict[str, Any], output: OutputMode) ->
 
 
 async def _run_trap(engine: Engine, scenario: Scenario, seen: Observation) -> None:
-    """The abort traps of SGLANG_FACTS.md, driven by hand (no lifecycle)."""
+    """The abort traps of SGLANG_FACTS.md, driven by hand (no lifecycle).
+
+    ``no_bootstrap_room`` sends the request as it is (without one) to a
+    disaggregated engine, which the worker would refuse: SGLang's scheduler
+    answers it with a 400 abort.
+    """
     if scenario.trap == "abort_unknown_rid":
         await engine.abort("conformance-unknown-rid")
         return
@@ -279,30 +322,69 @@ _SIM_TO_SCHEDULER = {
     "abort_requested": "abort",
     "abort_applied": "abort_applied",
     "abort_lost": "abort_lost",
+    "bootstrapped": "bootstrapped",
+    "prefill_chunk": "prefill_chunk",
+    "kv_sent": "kv_sent",
+    "kv_received": "kv_received",
+    "kv_failed": "kv_failed",
+    "kv_timeout": "kv_timeout",
 }
+#: SimEngine trace kinds whose detail is the stage the request was in.
+_SIM_STAGED = frozenset({"abort_applied", "kv_failed"})
 
 
 async def observe_on_sim(
-    scenario: Scenario, *, first_token_delay: float, token_interval: float
+    scenario: Scenario,
+    *,
+    first_token_delay: float,
+    token_interval: float,
+    disagg: DisaggSetup | None = None,
 ) -> Observation:
-    """The scenario on a fresh ``SimEngine`` with the harness's timing."""
+    """The scenario on a fresh ``SimEngine`` with the harness's timing.
+
+    With ``disagg``, a SimEngine in that role with its own ``SimKVRooms``,
+    where the peer script plays the other side of each request's room.
+    """
     from .._sim_engine import SimEngine
     from .._worker import open_worker
 
+    rooms = SimKVRooms()
     engine = SimEngine(
         tokenize_delay=scenario.tokenize_delay,
         dispatch_delay=0.0,
         first_token_delay=first_token_delay,
         token_interval=token_interval,
+        disaggregation_mode=None if disagg is None else disagg.role,
+        kv_rooms=rooms,
+        disagg_timing=None if disagg is None else disagg.timing,
     )
-    recorder = RidRecorder(engine)
 
     def events() -> list[SchedulerEvent]:
         return [
-            (e.time, _SIM_TO_SCHEDULER[e.kind], e.rid)
+            (
+                e.time,
+                staged_kind(_SIM_TO_SCHEDULER[e.kind], e.detail if e.kind in _SIM_STAGED else None),
+                e.rid,
+            )
             for e in engine.trace
             if e.kind in _SIM_TO_SCHEDULER
         ]
 
-    async with open_worker(recorder) as worker:
-        return await run_scenario(worker, recorder, scenario, events)
+    async with trio.open_nursery() as peers:
+        on_generate = None if disagg is None else partial(_start_peer, peers, disagg, engine, rooms)
+        recorder = RidRecorder(engine, on_generate)
+        async with open_worker(recorder) as worker:
+            seen = await run_scenario(worker, recorder, scenario, events)
+        peers.cancel_scope.cancel()  # a peer still waiting for its request
+    return seen
+
+
+def _start_peer(
+    peers: trio.Nursery,
+    setup: DisaggSetup,
+    engine: Engine,
+    rooms: SimKVRooms,
+    request: Mapping[str, Any],
+) -> None:
+    """The peer script for the room of a request the worker is handing to the engine."""
+    peers.start_soon(play_peer, setup, engine, rooms, request["rid"], request["bootstrap_room"])

@@ -8,7 +8,7 @@ lifecycle can be tested against the real TokenizerManager on a CPU-only
 machine::
 
     python -m trio_sglang.harness._scheduler --input IPC --output IPC \\
-        --first-token-delay S --token-interval S --log PATH
+        --first-token-delay S --token-interval S --log PATH [--disagg JSON]
 
 It PULLs ``TokenizedGenerateReqInput`` and ``AbortReq`` from the tokenizer
 manager's ``scheduler_input_ipc_name`` and PUSHes ``BatchStrOutput`` and
@@ -20,12 +20,19 @@ the real scheduler does for a queued request, which finishes it in
 ``TokenizerManager._handle_abort_req``), and an abort that matches nothing is
 lost: there is no tombstone, so its request, arriving later, runs to the end.
 
+With ``--disagg`` (a ``DisaggSetup`` as JSON) it is the scheduler of a
+prefill or decode server: each request first goes through that role's
+queues (``_pd_queues.py``), the other side of its bootstrap room played by
+the setup's peer script.
+
 Every event goes to ``--log`` as one flushed JSON line, ``{"t":
 time.monotonic(), "kind": ..., "rid": ...}`` plus details; ``time.monotonic``
 is system-wide on Linux, so the parent can set these times against its own.
 Kinds: ``ready``, ``request``, ``token``, ``finished``, ``abort``,
 ``abort_applied``, ``abort_lost``, ``ignored`` (another message type) and
-``exit``.
+``exit``; in a disaggregated role also ``bootstrapped``, ``prefill_chunk``,
+``kv_sent``, ``kv_received`` and ``kv_timeout``, and ``abort_applied`` says
+in which ``stage`` a queued request was.
 
 zmq and sglang are imported inside functions, so the harness package imports
 without the sglang extra; only running this process needs it.
@@ -46,6 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
+
+from ._pd_queues import Exit, Queues, queues_for
+from ._peer import DisaggSetup
 
 if TYPE_CHECKING:
     import zmq
@@ -69,6 +79,8 @@ class Options:
     token_interval: float
     log: Path
     poll_interval: float = 0.0005
+    #: A prefill or decode server's scheduler; ``None``: aggregated.
+    disagg: DisaggSetup | None = None
 
 
 @dataclass(slots=True)
@@ -95,6 +107,8 @@ class _Step:
     token_ids: tuple[int, ...]
     text: str
     finished: bool
+    #: The finish reason, if not reaching ``max_new_tokens``.
+    reason: dict[str, Any] | None = None
 
 
 class _EventLog:
@@ -156,6 +170,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--token-interval", type=_duration, required=True, metavar="S")
     parser.add_argument("--log", type=Path, required=True, help="JSON-lines event log (appended)")
     parser.add_argument("--poll-interval", type=_duration, default=0.0005, metavar="S")
+    parser.add_argument(
+        "--disagg",
+        type=DisaggSetup.from_text,
+        metavar="JSON",
+        help="a DisaggSetup: prefill or decode",
+    )
     ns = parser.parse_args(argv)
     return Options(
         input=ns.input,
@@ -164,6 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         token_interval=ns.token_interval,
         log=ns.log,
         poll_interval=ns.poll_interval,
+        disagg=ns.disagg,
     )
 
 
@@ -217,6 +238,10 @@ class _Scheduler:
         self._log = log
         self._stop = stop
         self._held: dict[str, _Held] = {}  # insertion order = arrival order
+        #: A disaggregated role's queues, which requests go through first.
+        self._queues: Queues[_Held] | None = (
+            None if options.disagg is None else queues_for(options.disagg, log)
+        )
         #: Exit once reparented, so a crashed test run leaves no scheduler behind.
         self._parent = parent
 
@@ -231,7 +256,8 @@ class _Scheduler:
             outbox.connect(self._options.output)
             self._log.write("ready", None, pid=os.getpid())
             reason = self._loop(inbox, outbox)
-            self._log.write("exit", None, reason=reason, held=len(self._held))
+            queued = 0 if self._queues is None else len(self._queues.rids())
+            self._log.write("exit", None, reason=reason, held=len(self._held) + queued)
         finally:
             # linger=0: on the way out nothing unsent is worth blocking exit for.
             inbox.close(linger=0)
@@ -258,8 +284,10 @@ class _Scheduler:
         how late a token (or, in that short window, a message) is seen.
         """
         wait = _MAX_WAIT
-        if self._held:
-            next_due = min(held.due for held in self._held.values())
+        next_due = min((held.due for held in self._held.values()), default=math.inf)
+        if self._queues is not None:
+            next_due = min(next_due, self._queues.next_due())
+        if next_due < math.inf:
             wait = min(wait, max(0.0, next_due - time.monotonic()))
         whole_ms = int(wait / _SECONDS_PER_MS)
         if whole_ms >= 1:
@@ -287,17 +315,17 @@ class _Scheduler:
         )
 
         if isinstance(message, TokenizedGenerateReqInput):
-            self._admit(message)
+            self._admit(message, outbox)
         elif isinstance(message, BatchTokenizedGenerateReqInput):
             for request in message.batch:
-                self._admit(request)
+                self._admit(request, outbox)
         elif isinstance(message, AbortReq):
             self._abort(message, outbox)
         else:
             self._log.write("ignored", getattr(message, "rid", None), type=type(message).__name__)
 
-    def _admit(self, request: Any) -> None:
-        """Hold a new request: first token after ``first_token_delay``.
+    def _admit(self, request: Any, outbox: zmq.Socket[bytes]) -> None:
+        """Hold a new request: first token after ``first_token_delay``, or queue it first.
 
         A duplicate rid replaces the request held under it (the TokenizerManager
         refuses duplicate rids, so this only happens if a rid is reused after
@@ -307,14 +335,22 @@ class _Scheduler:
         limit = request.sampling_params.max_new_tokens
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS if limit is None else int(limit)
         input_ids = request.input_ids
-        self._held[request.rid] = _Held(
+        held = _Held(
             rid=request.rid,
             http_worker_ipc=request.http_worker_ipc,
             prompt_tokens=0 if input_ids is None else len(input_ids),
             max_new_tokens=max_new_tokens,
             due=now + self._options.first_token_delay,
         )
-        self._log.write("request", request.rid, max_new_tokens=max_new_tokens)
+        if self._queues is None:
+            self._held[request.rid] = held
+            self._log.write("request", request.rid, max_new_tokens=max_new_tokens)
+            return
+        room = request.bootstrap_room
+        self._log.write("request", request.rid, max_new_tokens=max_new_tokens, room=room)
+        exit = self._queues.admit(held, held.rid, room, held.prompt_tokens, now)
+        if exit is not None:
+            self._leave_queues(exit, outbox, now)
 
     def _abort(self, abort: Any, outbox: zmq.Socket[bytes]) -> None:
         """Stop every held request the abort matches (prefix rule); no tombstone if none."""
@@ -322,20 +358,47 @@ class _Scheduler:
 
         prefix: str = abort.rid or ""
         self._log.write("abort", prefix, abort_all=bool(abort.abort_all))
-        hits = [rid for rid in self._held if abort.abort_all or rid.startswith(prefix)]
+        queues = self._queues
+        queued = [] if queues is None else queues.rids()
+        hits = [rid for rid in (*queued, *self._held) if abort.abort_all or rid.startswith(prefix)]
         if not hits:
             self._log.write("abort_lost", prefix)
             return
         for rid in hits:
-            held = self._held.pop(rid)
-            sock_send(outbox, _abort_echo(rid, held.http_worker_ipc, abort.finished_reason))
-            self._log.write("abort_applied", rid, abort_rid=prefix, tokens=held.emitted)
+            if rid in self._held:
+                held = self._held.pop(rid)
+                sock_send(outbox, _abort_echo(rid, held.http_worker_ipc, abort.finished_reason))
+                self._log.write("abort_applied", rid, abort_rid=prefix, tokens=held.emitted)
+            elif queues is not None and (exit := queues.abort(rid)) is not None:
+                self._leave_queues(exit, outbox, time.monotonic())
+
+    def _leave_queues(self, exit: Exit[_Held], outbox: zmq.Socket[bytes], now: float) -> None:
+        """Answer a request that left the queues, or start decoding it."""
+        from sglang.srt.managers.io_struct import sock_send
+
+        held = exit.request
+        if exit.kind == "decode":
+            held.due = now + self._options.first_token_delay
+            self._held[held.rid] = held
+        elif exit.kind == "echo":
+            sock_send(outbox, _abort_echo(held.rid, held.http_worker_ipc, finished_reason=None))
+        elif exit.kind == "failed":
+            sock_send(outbox, _batch_str_output([_Step(held, (), "", True, exit.reason)]))
+        else:  # prefilled: the token its forward sampled, and SGLang's length 0
+            held.emitted = 1
+            token_id = _token_id(held.emitted)
+            step = _Step(held, (token_id,), f" w{token_id}", True, {"type": "length", "length": 0})
+            sock_send(outbox, _batch_str_output([step]))
+            self._log.write("finished", held.rid, tokens=held.emitted)
 
     def _emit_due(self, outbox: zmq.Socket[bytes]) -> None:
         """Decode one step for every request that is due, as one batch, like a decode step."""
         from sglang.srt.managers.io_struct import sock_send
 
         now = time.monotonic()
+        if self._queues is not None:
+            for exit in self._queues.advance(now):
+                self._leave_queues(exit, outbox, now)
         steps = [_step(held) for held in self._held.values() if held.due <= now]
         if not steps:
             return
@@ -415,9 +478,11 @@ def _batch_str_output(steps: Sequence[_Step]) -> Any:
 
 
 def _finish_reason(step: _Step) -> dict[str, Any] | None:
-    """SGLang's ``FINISH_LENGTH(...).to_json()`` on the last step, else ``None``."""
+    """The step's own reason, else SGLang's ``FINISH_LENGTH(...).to_json()`` on the last step."""
     if not step.finished:
         return None
+    if step.reason is not None:
+        return step.reason
     return {"type": "length", "length": step.held.max_new_tokens}
 
 
