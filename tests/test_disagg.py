@@ -486,3 +486,62 @@ async def run_disagg_example(example: dict[str, Any]) -> None:
 @given(example=disagg_examples())
 def test_disaggregated_cancels_at_random_moments(example: dict[str, Any]) -> None:
     trio.run(run_disagg_example, example, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- the sim's SGLang semantics, engine level -----------------------------------------
+
+
+async def drain_engine(engine: ts.SimEngine, request: dict[str, Any]) -> list[dict[str, Any]]:
+    return [out async for out in engine.generate({**request, "stream": True})]
+
+
+async def test_a_prefill_without_its_decode_side_fails_after_the_bootstrap_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    timing = ts.SimDisaggTiming(bootstrap_timeout=300.0)
+    prefill = ts.SimEngine(
+        **KNOBS, disaggregation_mode="prefill", kv_rooms=ts.SimKVRooms(), disagg_timing=timing
+    )
+    async with prefill.running():
+        (out,) = await drain_engine(prefill, {**REQUEST, "rid": "p", "bootstrap_room": 5})
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["status_code"] == 500
+    assert "timed out after 300.0s in KVPoll.Bootstrapping" in reason["message"]
+    assert trio.current_time() == 1.5 + 300.0
+    assert kinds(prefill)[-1] == ("kv_timeout", "bootstrap")
+
+
+async def test_a_decode_abort_during_its_handshake_does_not_reach_the_prefill_side(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # SGLang sends the abort notification only once the handshake gave the
+    # decode side the prefill side's address: the prefill waits it out.
+    rooms = ts.SimKVRooms()
+    sides = {"kv_rooms": rooms, "disagg_timing": TIMING}
+    prefill = ts.SimEngine(**KNOBS, disaggregation_mode="prefill", **sides)
+    decode = ts.SimEngine(**KNOBS, disaggregation_mode="decode", **sides)
+    body = {**REQUEST, "bootstrap_host": "127.0.0.1", "bootstrap_room": 9}
+    async with prefill.running(), decode.running(), trio.open_nursery() as nursery:
+        nursery.start_soon(drain_engine, prefill, {**body, "rid": "p"})
+        nursery.start_soon(drain_engine, decode, {**body, "rid": "d"})
+        await trio.sleep(1.7)  # decode in prealloc (1.5-2.0)
+        await decode.abort("d")
+    assert kinds(decode)[-1] == ("abort_applied", "prealloc")
+    assert kinds(prefill)[-1] == ("kv_timeout", "bootstrap")
+    assert trio.current_time() == 1.5 + TIMING.bootstrap_timeout
+
+
+async def test_a_scalar_room_on_a_native_batch_becomes_one_room_per_child(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rooms = ts.SimKVRooms()
+    sides = {"kv_rooms": rooms, "disagg_timing": TIMING}
+    prefill = ts.SimEngine(**KNOBS, disaggregation_mode="prefill", **sides)
+    decode = ts.SimEngine(**KNOBS, disaggregation_mode="decode", **sides)
+    body = {"text": ["a b", "c d"], "bootstrap_host": "127.0.0.1", "bootstrap_room": 40}
+    async with prefill.running(), decode.running(), trio.open_nursery() as nursery:
+        nursery.start_soon(drain_engine, prefill, {**body, "rid": "p"})
+        nursery.start_soon(drain_engine, decode, {**body, "rid": "d"})
+    paired = {e.detail for e in decode.trace if e.kind == "kv_received"}
+    assert paired == {"40", "41"}
+    assert len(rooms) == 0

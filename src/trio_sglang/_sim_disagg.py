@@ -12,15 +12,24 @@ chunks; *transferring* sends the KV cache. It then answers with one token
 and ``{"type": "length", "length": 0}``. An abort in bootstrap or transfer
 fails the room (500); in waiting it is removed (echoed); while prefilling it
 takes effect only after the current chunk's forward. None of these tells
-the decode side, which keeps waiting for the KV cache until its timeout.
+the decode side, which keeps waiting for the KV cache until its timeout. A
+decode side that never makes its handshake fails the request after
+``bootstrap_timeout`` (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, 300 s).
 
 Decode: the *prealloc* queue makes the handshake (``bootstrap_delay``); the
 *transfer* queue waits for the KV cache (at most ``kv_wait_timeout``, 300 s
 in SGLang); then it decodes as an aggregated engine does, its first token
 ``first_token_delay`` after the KV cache arrived. An abort in prealloc or
-transfer fails the room and notifies the prefill side, which drops the
-request if it is still bootstrapping and otherwise notices only when it
-tries to transfer.
+transfer fails the room; once the handshake is done (in transfer) it also
+notifies the prefill side, which drops the request if it is still
+bootstrapping and otherwise notices only when it tries to transfer. An
+abort during the handshake tells the prefill side nothing (SGLang sends its
+notification only once it has the prefill side's bootstrap info), so that
+side waits out its bootstrap timeout.
+
+Rooms of an expanded request are SGLang's: a scalar ``bootstrap_room`` on
+a native batch or ``n > 1`` becomes ``room + i`` for the i-th child; a list
+gives each prompt its own.
 """
 
 from __future__ import annotations
@@ -64,6 +73,9 @@ class SimDisaggTiming:
     kv_transfer_delay: float = 0.005
     #: How long decode waits for a KV cache (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
     kv_wait_timeout: float = 300.0
+    #: How long prefill waits for the decode side's handshake
+    #: (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+    bootstrap_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -316,9 +328,17 @@ class SimPrefillScheduler(_DisaggScheduler):
 
     async def _run_stages(self, staged: _Staged) -> None:
         with staged.scope:
-            events = await self._rooms.wait(
-                staged.room, frozenset({"decode_ready", "decode_aborted"}), staged.at
-            )
+            events: frozenset[RoomEvent] = frozenset()
+            with trio.move_on_after(self._disagg.bootstrap_timeout):
+                events = await self._rooms.wait(
+                    staged.room, frozenset({"decode_ready", "decode_aborted"}), staged.at
+                )
+            if not events:
+                self._trace.record("kv_timeout", staged.rid, "bootstrap")
+                timeout = self._disagg.bootstrap_timeout
+                why = f"Request {staged.room} timed out after {timeout}s in KVPoll.Bootstrapping"
+                self._failed(staged, "Prefill bootstrap failed", why, None)
+                return
             if "decode_aborted" in events:
                 self._failed(staged, "Prefill bootstrap failed", "decode aborted", "kv_failed")
                 return
@@ -371,8 +391,9 @@ class SimPrefillScheduler(_DisaggScheduler):
             self._failed(staged, "Prefill transfer failed", "Aborted by AbortReq.")
 
     def _failed(
-        self, staged: _Staged, what: str, why: str, kind: TraceKind = "abort_applied"
+        self, staged: _Staged, what: str, why: str, kind: TraceKind | None = "abort_applied"
     ) -> None:
+        """End a request whose room failed; ``kind`` is its trace event, if not yet recorded."""
         message = (
             f"{what} for request rank=0 req.rid={staged.rid} "
             f"req.bootstrap_room={staged.room} with exception "
@@ -380,7 +401,8 @@ class SimPrefillScheduler(_DisaggScheduler):
         )
         if not self._holds(staged):
             return
-        self._trace.record(kind, staged.rid, staged.stage)
+        if kind is not None:
+            self._trace.record(kind, staged.rid, staged.stage)
         self._end_staged(staged, _abort(message, 500), [])
 
 
@@ -417,7 +439,8 @@ class SimDecodeScheduler(_DisaggScheduler):
             )
 
     def _abort_staged(self, staged: _Staged) -> None:
-        self._rooms.post(staged.room, "decode_aborted", staged.at)  # the AbortNotification
+        if staged.stage == "transfer":  # the handshake gave it the prefill side's address
+            self._rooms.post(staged.room, "decode_aborted", staged.at)  # the AbortNotification
         what = "Decode handshake failed" if staged.stage == "prealloc" else "Decode transfer failed"
         self._aborted(
             staged,

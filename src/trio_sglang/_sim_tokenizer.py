@@ -298,8 +298,10 @@ class SimStream:
             _per_prompt(request.get(f"bootstrap_{name}"), len(prompts))
             for name in ("room", "host", "port")
         )
+        room = request.get("bootstrap_room")
         for i, state in enumerate(states):
-            state.room = rooms[i // n]
+            # SGLang: a scalar room on an expanded request is room + i per child.
+            state.room = room + i if isinstance(room, int) and multi else rooms[i // n]
             state.at = BootstrapAddr(hosts[i // n], ports[i // n])
         for state in states:  # registration comes before any await
             self._tm.register(state)
