@@ -57,12 +57,14 @@ class ResponseStream:
         "_exhausted",
         "_ids",
         "_leg",
+        "_next",
         "_output",
         "_pulling",
         "_pump",
         "_request",
         "_scope",
         "_shutdown",
+        "_stall_timeout",
         "_started",
         "_worker",
     )
@@ -81,6 +83,10 @@ class ResponseStream:
         self._request = request
         self._pump = pump
         self._leg = leg
+        # Bound once: the pull is the hot path (one call per token).
+        self._next = request.stream.__anext__ if pump is None else pump.receive
+        stall_timeout = worker.policy.stall_timeout
+        self._stall_timeout = None if stall_timeout == math.inf else stall_timeout
         self._ids = ids
         self._output: OutputMode = output
         self._scope = scope
@@ -117,7 +123,10 @@ class ResponseStream:
         self._pulling = True
         pulled = pull_cancelled = False
         try:
-            out = await self._pull()
+            if self._stall_timeout is None:
+                out = await self._next()
+            else:
+                out = await self._pull_within_stall_timeout(self._stall_timeout)
             pulled = True
         except StopAsyncIteration:
             self._exhausted = True
@@ -137,13 +146,9 @@ class ResponseStream:
                 self._close(pull_cancelled=pull_cancelled)
         return format_chunk(self._output, out, self._ids)
 
-    async def _pull(self) -> dict[str, Any]:
-        pull = self._request.stream.__anext__ if self._pump is None else self._pump.receive
-        stall_timeout = self._worker.policy.stall_timeout
-        if stall_timeout == math.inf:
-            return await pull()
+    async def _pull_within_stall_timeout(self, stall_timeout: float) -> dict[str, Any]:
         with trio.move_on_after(stall_timeout):
-            return await pull()
+            return await self._next()
         raise self._worker._engine_stalled(self._request)
 
     async def aclose(self) -> None:
