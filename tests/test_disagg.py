@@ -331,6 +331,41 @@ async def test_bad_disaggregated_requests_are_refused_before_either_engine(
     assert list(p.prefill.trace) == list(p.decode.trace) == []
 
 
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        # Found by the HTTP corpus at 10,000 examples: it reached the engine.
+        ({**REQUEST, "bootstrap_host": []}, "bootstrap_host must be a string, got list"),
+        ({**REQUEST, "bootstrap_port": "8998"}, "bootstrap_port must be an int"),
+        ({**REQUEST, "bootstrap_room": -1}, "bootstrap_room must be an int in"),
+        ({"text": ["a", "b"], "bootstrap_room": [1]}, "one value per prompt"),
+    ],
+)
+async def test_bootstrap_fields_are_checked_on_an_aggregated_worker_too(
+    request_: dict[str, Any], message: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = ts.SimEngine()
+    async with ts.open_worker(engine) as worker:
+        with pytest.raises(ts.InvalidRequest, match=message):
+            async with worker.generate(request_, ts.RequestContext("bad")):
+                pytest.fail("unreachable")
+    assert list(engine.trace) == []
+
+
+async def test_a_scalar_room_on_a_batch_is_accepted_by_a_prefill_worker(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with pair() as p:
+        body = {"text": ["a b", "c d"], "bootstrap_host": "127.0.0.1", "bootstrap_room": 40}
+        with trio.move_on_after(1.0):  # no decode side: cancelled while bootstrapping
+            async with p.prefill_worker.generate(body, ts.RequestContext("batch")) as chunks:
+                async for _ in chunks:
+                    pass
+        await trio.sleep(10)
+    assert p.live() == set()
+    assert {e.rid for e in p.prefill.trace if e.kind == "registered"} != set()
+
+
 async def test_a_decode_worker_without_a_peer_needs_the_routers_bootstrap_fields(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -439,7 +474,9 @@ def disagg_examples(draw: st.DrawFn) -> dict[str, Any]:
 
 
 async def run_disagg_example(example: dict[str, Any]) -> None:
-    rooms = ts.SimKVRooms()
+    # A room one side never reached is forgotten after forget_after: well
+    # inside the settling time, which stays short of the KV timeout.
+    rooms = ts.SimKVRooms(forget_after=20.0)
     common = {**example["knobs"], "kv_rooms": rooms, "disagg_timing": example["timing"]}
     prefill = ts.SimEngine(disaggregation_mode="prefill", **common)
     decode = ts.SimEngine(disaggregation_mode="decode", **common)
@@ -455,7 +492,8 @@ async def run_disagg_example(example: dict[str, Any]) -> None:
                 async for _ in chunks:
                     assert trio.current_time() < deadline
         if scope.cancelled_caught:
-            assert trio.current_time() == deadline  # the stream closed at the cancel
+            # The stream closed at the cancel (MockClock sums floats: to the nanosecond).
+            assert trio.current_time() == pytest.approx(deadline, abs=1e-9)
             cancelled_at[ctx.id] = deadline
 
     async with ts.open_worker(prefill) as prefill_worker:

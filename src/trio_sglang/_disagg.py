@@ -122,10 +122,10 @@ def bootstrap_fields(
     ``None`` when the request runs on this worker's engine alone.
     """
     given = [name for name in _BOOTSTRAP_FIELDS if parsed.body.get(name) is not None]
-    if role == "aggregated":
-        return None
     if given or role == "prefill":
         _check_bootstrap(parsed, role)
+        return None
+    if role == "aggregated":
         return None
     if peer is None:
         raise InvalidRequest(
@@ -145,31 +145,48 @@ def bootstrap_fields(
     }
 
 
+def _is_room(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _is_port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+
+
+#: Each bootstrap field: how to tell a good value, and what it must be.
+_BOOTSTRAP_CHECKS = {
+    "bootstrap_room": (_is_room, "an int in [0, 2**63)"),
+    "bootstrap_host": (lambda value: isinstance(value, str), "a string"),
+    "bootstrap_port": (_is_port, "an int in [1, 65535]"),
+}
+
+
 def _check_bootstrap(parsed: ParsedRequest, role: Role) -> None:
-    room = parsed.body.get("bootstrap_room")
-    rooms = room if isinstance(room, list) and parsed.batch_size is not None else [room]
-    if parsed.batch_size is not None and len(rooms) != parsed.batch_size:
-        raise InvalidRequest("bootstrap_room must be one room per prompt of a native batch")
-    for value in rooms:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-            raise InvalidRequest(
-                f"a {role} worker needs bootstrap_room, an int in [0, 2**63), "
-                f"got {type(value).__name__}"
-            )
-    host = parsed.body.get("bootstrap_host")
-    if host is not None and not isinstance(host, str):
-        raise InvalidRequest(f"bootstrap_host must be a string, got {type(host).__name__}")
-    if role == "decode" and host is None:
+    """The bootstrap fields as SGLang reads them: one value, or a list with one per prompt."""
+    for name, (valid, what) in _BOOTSTRAP_CHECKS.items():
+        value = parsed.body.get(name)
+        if value is None:
+            continue
+        per_prompt = isinstance(value, list) and parsed.batch_size is not None
+        values = value if per_prompt else [value]
+        if per_prompt and len(values) != parsed.batch_size:
+            raise InvalidRequest(f"{name} must have one value per prompt of a native batch")
+        for one in values:
+            if not valid(one):
+                who = (
+                    f"a {role} worker needs {name}," if role != "aggregated" else f"{name} must be"
+                )
+                raise InvalidRequest(f"{who} {what}, got {type(one).__name__}")
+    if role != "aggregated" and parsed.body.get("bootstrap_room") is None:
+        raise InvalidRequest(
+            f"a {role} worker needs bootstrap_room, {_BOOTSTRAP_CHECKS['bootstrap_room'][1]}"
+        )
+    if role == "decode" and parsed.body.get("bootstrap_host") is None:
         # SGLang's decode side fails the handshake at once without it.
         raise InvalidRequest(
             "a decode worker needs bootstrap_host with bootstrap_room: where the prefill "
             "side's bootstrap server is"
         )
-    port = parsed.body.get("bootstrap_port")
-    if port is not None and (
-        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
-    ):
-        raise InvalidRequest("bootstrap_port must be an int in [1, 65535]")
 
 
 class PrefillLeg:

@@ -180,8 +180,13 @@ class SimKVRooms:
     ) -> frozenset[RoomEvent]:
         """Those of ``wanted`` that have happened to ``room``, once one has; unbounded."""
         state = self._rooms.setdefault(room, _Room())
-        while not (state.events & wanted):
-            await state.lot.park()
+        try:
+            while not (state.events & wanted):
+                await state.lot.park()
+        finally:
+            if not (state.events or state.lot or state.done) and self._rooms.get(room) is state:
+                # A cancelled wait on a room nobody else ever touched.
+                del self._rooms[room]
         return frozenset(state.events & wanted)
 
     def side_done(self, room: int, at: BootstrapAddr | None = None) -> None:
