@@ -51,6 +51,15 @@ KNOBS: dict[str, Any] = {
 }
 
 
+def sim_pair(
+    rooms: ts.SimKVRooms, knobs: Mapping[str, Any] = KNOBS, timing: ts.SimDisaggTiming = TIMING
+) -> tuple[ts.SimEngine, ts.SimEngine]:
+    """A prefill and a decode SimEngine sharing ``rooms``."""
+    sides = {**knobs, "kv_rooms": rooms, "disagg_timing": timing}
+    prefill = ts.SimEngine(**sides, disaggregation_mode="prefill")
+    return prefill, ts.SimEngine(**sides, disaggregation_mode="decode")
+
+
 @dataclass
 class Pair:
     prefill: ts.SimEngine
@@ -88,12 +97,7 @@ async def pair(
     *, prefill_faults: Faults | None = None, cancel_anytime: bool = True
 ) -> AsyncIterator[Pair]:
     rooms = ts.SimKVRooms()
-    prefill = ts.SimEngine(
-        **KNOBS, disaggregation_mode="prefill", kv_rooms=rooms, disagg_timing=TIMING
-    )
-    decode = ts.SimEngine(
-        **KNOBS, disaggregation_mode="decode", kv_rooms=rooms, disagg_timing=TIMING
-    )
+    prefill, decode = sim_pair(rooms)
     prefill_engine: ts.Engine = prefill
     if prefill_faults is not None:
         prefill_engine = FaultyEngine(prefill, prefill_faults)
@@ -383,13 +387,7 @@ async def test_a_decode_worker_behind_a_router_runs_only_its_own_leg(
 ) -> None:
     # What sglang-router's PD mode does: the same body, with the bootstrap
     # fields, to a prefill worker and to a decode worker, concurrently.
-    rooms = ts.SimKVRooms()
-    prefill = ts.SimEngine(
-        **KNOBS, disaggregation_mode="prefill", kv_rooms=rooms, disagg_timing=TIMING
-    )
-    decode = ts.SimEngine(
-        **KNOBS, disaggregation_mode="decode", kv_rooms=rooms, disagg_timing=TIMING
-    )
+    prefill, decode = sim_pair(ts.SimKVRooms())
     body = {**REQUEST, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7}
     times = []
     async with (
@@ -477,9 +475,7 @@ async def run_disagg_example(example: dict[str, Any]) -> None:
     # A room one side never reached is forgotten after forget_after: well
     # inside the settling time, which stays short of the KV timeout.
     rooms = ts.SimKVRooms(forget_after=20.0)
-    common = {**example["knobs"], "kv_rooms": rooms, "disagg_timing": example["timing"]}
-    prefill = ts.SimEngine(disaggregation_mode="prefill", **common)
-    decode = ts.SimEngine(disaggregation_mode="decode", **common)
+    prefill, decode = sim_pair(rooms, example["knobs"], example["timing"])
     cancelled_at: dict[str, float] = {}
 
     async def client(i: int, words: int, tokens: int, cancel: float | None, start: float) -> None:
@@ -533,6 +529,17 @@ async def drain_engine(engine: ts.SimEngine, request: dict[str, Any]) -> list[di
     return [out async for out in engine.generate({**request, "stream": True})]
 
 
+@asynccontextmanager
+async def both_legs(
+    prefill: ts.SimEngine, decode: ts.SimEngine, body: dict[str, Any]
+) -> AsyncIterator[None]:
+    """Both engines running ``body`` (rids ``p`` and ``d``), as a router sends it; to the end."""
+    async with prefill.running(), decode.running(), trio.open_nursery() as nursery:
+        nursery.start_soon(drain_engine, prefill, {**body, "rid": "p"})
+        nursery.start_soon(drain_engine, decode, {**body, "rid": "d"})
+        yield
+
+
 async def test_a_prefill_without_its_decode_side_fails_after_the_bootstrap_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -554,14 +561,9 @@ async def test_a_decode_abort_during_its_handshake_does_not_reach_the_prefill_si
 ) -> None:
     # SGLang sends the abort notification only once the handshake gave the
     # decode side the prefill side's address: the prefill waits it out.
-    rooms = ts.SimKVRooms()
-    sides = {"kv_rooms": rooms, "disagg_timing": TIMING}
-    prefill = ts.SimEngine(**KNOBS, disaggregation_mode="prefill", **sides)
-    decode = ts.SimEngine(**KNOBS, disaggregation_mode="decode", **sides)
+    prefill, decode = sim_pair(ts.SimKVRooms())
     body = {**REQUEST, "bootstrap_host": "127.0.0.1", "bootstrap_room": 9}
-    async with prefill.running(), decode.running(), trio.open_nursery() as nursery:
-        nursery.start_soon(drain_engine, prefill, {**body, "rid": "p"})
-        nursery.start_soon(drain_engine, decode, {**body, "rid": "d"})
+    async with both_legs(prefill, decode, body):
         await trio.sleep(1.7)  # decode in prealloc (1.5-2.0)
         await decode.abort("d")
     assert kinds(decode)[-1] == ("abort_applied", "prealloc")
@@ -573,13 +575,10 @@ async def test_a_scalar_room_on_a_native_batch_becomes_one_room_per_child(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     rooms = ts.SimKVRooms()
-    sides = {"kv_rooms": rooms, "disagg_timing": TIMING}
-    prefill = ts.SimEngine(**KNOBS, disaggregation_mode="prefill", **sides)
-    decode = ts.SimEngine(**KNOBS, disaggregation_mode="decode", **sides)
+    prefill, decode = sim_pair(rooms)
     body = {"text": ["a b", "c d"], "bootstrap_host": "127.0.0.1", "bootstrap_room": 40}
-    async with prefill.running(), decode.running(), trio.open_nursery() as nursery:
-        nursery.start_soon(drain_engine, prefill, {**body, "rid": "p"})
-        nursery.start_soon(drain_engine, decode, {**body, "rid": "d"})
+    async with both_legs(prefill, decode, body):
+        pass
     paired = {e.detail for e in decode.trace if e.kind == "kv_received"}
     assert paired == {"40", "41"}
     assert len(rooms) == 0

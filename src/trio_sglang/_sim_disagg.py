@@ -35,9 +35,10 @@ gives each prompt its own.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import trio
 
@@ -222,7 +223,7 @@ class _Staged:
     abort_pending: bool = False
 
 
-class _DisaggScheduler(SimScheduler):
+class _DisaggScheduler(SimScheduler, ABC):
     """Requests go through this side's queues before (or instead of) decoding."""
 
     def __init__(
@@ -306,13 +307,16 @@ class _DisaggScheduler(SimScheduler):
         self._trace.record("abort_applied", staged.rid, staged.stage)
         self._end_staged(staged, reason, [])
 
-    _first_stage: str
+    #: The queue a request enters on dispatch.
+    _first_stage: ClassVar[str]
 
+    @abstractmethod
     async def _run_stages(self, staged: _Staged) -> None:
-        raise NotImplementedError
+        """Take one request through this side's queues (its task, in the scheduler's nursery)."""
 
+    @abstractmethod
     def _abort_staged(self, staged: _Staged) -> None:
-        raise NotImplementedError
+        """Apply an abort to a request in this side's queues, as SGLang does in each."""
 
 
 class SimPrefillScheduler(_DisaggScheduler):
