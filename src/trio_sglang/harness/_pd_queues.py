@@ -31,6 +31,7 @@ wire (it owns the sockets and the decoding). Stage events go to the log.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -79,7 +80,7 @@ class _Queued(Generic[R]):
     abort_pending: bool = False
 
 
-class Queues(Generic[R]):
+class Queues(ABC, Generic[R]):
     """One role's queues; a request is in exactly one stage until it exits."""
 
     def __init__(self, setup: DisaggSetup, log: EventLog) -> None:
@@ -134,15 +135,17 @@ class Queues(Generic[R]):
         )
         return Exit(queued.request, "failed", _abort(message, 500))
 
+    @abstractmethod
     def _arrival(self) -> tuple[Stage, float]:
         """A new request's first stage, and how long it lasts."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _abort(self, queued: _Queued[R]) -> Exit[R] | None:
-        raise NotImplementedError
+        """Apply an abort in the request's stage; what leaves the queues, if anything."""
 
+    @abstractmethod
     def _end_stage(self, queued: _Queued[R], now: float) -> Exit[R] | None:
-        raise NotImplementedError
+        """The request's stage is over: its next stage, or what leaves the queues."""
 
 
 class _PrefillQueues(Queues[R]):
