@@ -51,11 +51,13 @@ def sglang(session: nox.Session) -> None:
 
     SGLang itself goes in with --no-deps (its full requirements pull the CUDA
     stack) beside the packages it needs at import time; torch is pinned in
-    that same command, or pip would swap it for another build.
+    that same command, or pip would swap it for another build. The project
+    goes in with ``asyncio`` (trio-asyncio), the part of the ``sglang`` extra
+    that is not SGLang itself.
     """
     session.install("torch==2.14.1", "torchvision==0.29.1", "-r", "requirements/sglang-cpu.txt")
     session.install("--no-deps", "sglang==0.5.23")
-    install(session, "test")
+    install(session, "test", "asyncio")
     session.run("pytest", "-m", "sglang", "-s", *session.posargs)
 
 

@@ -76,7 +76,7 @@ from _strategies import (
     Scenario,
     scenarios,
 )
-from trio_sglang._sim_tokenizer import ReqState, SimStream
+from trio_sglang.sim._tokenizer import ReqState, SimStream
 
 #: Examples per test in CI: fixed, derandomized, at least 1,000 in all.
 CI_EXAMPLES = {"test_lifecycle_fuzz": 1000, "test_shutdown_fuzz": 250}

@@ -12,12 +12,19 @@ from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode
 from ._sglang_engine import SGLangEngine
-from ._sim_disagg import DisaggregationMode, KVRooms, RoomEvent, SimDisaggTiming, SimKVRooms
-from ._sim_engine import SimEngine
-from ._sim_scheduler import BootstrapAddr
-from ._sim_trace import TraceEvent, TraceKind
 from ._version import __version__
 from ._worker import ResponseStream, Worker, open_worker
+from .sim import (
+    BootstrapAddr,
+    DisaggregationMode,
+    KVRooms,
+    RoomEvent,
+    SimDisaggTiming,
+    SimEngine,
+    SimKVRooms,
+    TraceEvent,
+    TraceKind,
+)
 
 __all__ = [
     "AbortPolicy",

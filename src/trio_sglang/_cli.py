@@ -9,18 +9,16 @@ import importlib.util
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from ._demo import run_demo
 from ._disagg import PrefillFailed
-from ._engine import Engine
+from ._engines import EngineOptions, open_engine
 from ._policy import AbortPolicy
-from ._sglang_engine import SGLangEngine
-from ._sim_disagg import KVRooms, SimDisaggTiming, SimKVRooms
-from ._sim_engine import SimEngine
 from ._version import __version__
+from .sim import SimDisaggTiming
 
 if TYPE_CHECKING:
     from .server import HTTPPrefill
@@ -155,7 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.model_path:
             print("--engine sglang needs --model-path")
             return 2
-        if importlib.util.find_spec("sglang") is None:
+        if any(importlib.util.find_spec(name) is None for name in ("sglang", "trio_asyncio")):
             print("--engine sglang needs SGLang: pip install 'trio-sglang[sglang]' (a GPU machine)")
             return 2
     if args.prefill_url is not None and args.disaggregation_mode != "decode":
@@ -190,38 +188,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 async def _serve_until_stopped(args: argparse.Namespace, prefill: HTTPPrefill | None) -> None:
     """The engine, and what one side of a disaggregated pair needs, around the server."""
-    from .server import open_http_kv_rooms, serve
+    from .server import serve
 
-    mode = args.disaggregation_mode
     async with contextlib.AsyncExitStack() as stack:
-        engine: Engine
-        hosted = None
-        if args.engine == "sglang":
-            # SGLang runs its own bootstrap server (--disaggregation-bootstrap-port).
-            disagg: dict[str, Any] = {} if mode is None else {"disaggregation_mode": mode}
-            engine = SGLangEngine(model_path=args.model_path, **disagg)
-        else:
-            kv_rooms: KVRooms | None = None
-            if mode == "prefill":
-                kv_rooms = hosted = SimKVRooms()
-            elif mode == "decode":
-                kv_rooms = await stack.enter_async_context(open_http_kv_rooms())
-            engine = SimEngine(
-                tokenize_delay=args.sim_tokenize_delay,
-                dispatch_delay=args.sim_dispatch_delay,
-                first_token_delay=args.sim_first_token_delay,
-                token_interval=args.sim_token_interval,
-                keep_trace=False,  # a server runs for days: counts only (exported in /metrics)
-                disaggregation_mode=mode,
-                kv_rooms=kv_rooms,
-                disagg_timing=SimDisaggTiming(
-                    prefill_time_per_token=args.sim_prefill_time_per_token,
-                    prefill_chunk_tokens=args.sim_prefill_chunk_tokens,
-                    bootstrap_delay=args.sim_bootstrap_delay,
-                    kv_transfer_delay=args.sim_kv_transfer_delay,
-                    kv_wait_timeout=args.sim_kv_wait_timeout,
-                ),
-            )
+        engine, hosted = await stack.enter_async_context(open_engine(_engine_options(args)))
         if prefill is not None:
             await stack.enter_async_context(prefill)
         await serve(
@@ -234,6 +204,27 @@ async def _serve_until_stopped(args: argparse.Namespace, prefill: HTTPPrefill | 
             prefill=prefill,
             kv_rooms=hosted,
         )
+
+
+def _engine_options(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(
+        kind=args.engine,
+        disaggregation_mode=args.disaggregation_mode,
+        model_path=args.model_path,
+        sim_args={
+            "tokenize_delay": args.sim_tokenize_delay,
+            "dispatch_delay": args.sim_dispatch_delay,
+            "first_token_delay": args.sim_first_token_delay,
+            "token_interval": args.sim_token_interval,
+            "disagg_timing": SimDisaggTiming(
+                prefill_time_per_token=args.sim_prefill_time_per_token,
+                prefill_chunk_tokens=args.sim_prefill_chunk_tokens,
+                bootstrap_delay=args.sim_bootstrap_delay,
+                kv_transfer_delay=args.sim_kv_transfer_delay,
+                kv_wait_timeout=args.sim_kv_wait_timeout,
+            ),
+        },
+    )
 
 
 def _default_model_name(args: argparse.Namespace) -> str:

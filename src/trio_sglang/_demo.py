@@ -8,9 +8,8 @@ from typing import Any, TextIO
 import trio
 
 from ._context import RequestContext
-from ._sim_engine import SimEngine
-from ._sim_trace import TraceKind
 from ._worker import Worker, open_worker
+from .sim import SimEngine, TraceKind
 
 __all__ = ["run_demo"]
 

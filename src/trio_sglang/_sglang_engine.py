@@ -2,8 +2,10 @@
 
 SGLang is asyncio code; trio-asyncio runs an asyncio loop inside the trio run,
 so the ``TokenizerManager``'s generator and its receive loop run beside the
-worker's trio tasks in one thread. What this adapter does for the lifecycle
-(SGLANG_FACTS.md):
+worker's trio tasks in one thread. trio-asyncio comes with the ``sglang``
+extra and is imported only here, when an ``SGLangEngine`` is made or run, so
+that ``import trio_sglang`` does not need it. What this adapter does for the
+lifecycle, given how SGLang's TokenizerManager holds and releases requests:
 
 - ``generate`` builds the ``GenerateReqInput`` that ``Engine.async_generate``
   builds and pulls ``tokenizer_manager.generate_request`` one item at a time;
@@ -34,6 +36,19 @@ from ._engine import RequestPhase
 __all__ = ["SGLangEngine"]
 
 
+def _trio_asyncio() -> Any:
+    """The ``trio_asyncio`` module, or an ``ImportError`` that says where it comes from."""
+    try:
+        import trio_asyncio
+    except ImportError as exc:
+        raise ImportError(
+            "SGLangEngine runs SGLang's asyncio code through trio-asyncio, which is not "
+            "installed: pip install 'trio-sglang[sglang]' (or 'trio-sglang[asyncio]' "
+            "beside an SGLang you installed yourself)"
+        ) from exc
+    return trio_asyncio
+
+
 class SGLangEngine:
     """The real SGLang (0.5.23), as an engine for ``open_worker``.
 
@@ -61,6 +76,7 @@ class SGLangEngine:
             )
         if not (isinstance(poll_interval, int | float) and 0 < poll_interval < math.inf):
             raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
+        _trio_asyncio()  # now, rather than at the first request
         self._engine = engine
         self._tm = tokenizer_manager if tokenizer_manager is not None else None
         self._server_args = server_args
@@ -77,8 +93,7 @@ class SGLangEngine:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        import trio_asyncio
-
+        trio_asyncio = _trio_asyncio()
         if self._running:
             raise RuntimeError("this SGLangEngine is already running")
         launched = False
@@ -169,8 +184,7 @@ class _SGLangStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        from trio_asyncio import aio_as_trio
-
+        aio_as_trio = _trio_asyncio().aio_as_trio
         if self._closed:
             raise StopAsyncIteration
         if self._agen is None:
@@ -192,8 +206,7 @@ class _SGLangStream:
         return self._incremental(out)
 
     async def aclose(self) -> None:
-        from trio_asyncio import aio_as_trio
-
+        aio_as_trio = _trio_asyncio().aio_as_trio
         if self._agen is not None and not self._closed:
             self._closed = True
             # A no-op if the generator already finished (its release path ran).

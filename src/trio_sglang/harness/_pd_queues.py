@@ -3,10 +3,16 @@
 In a disaggregated role the stand-in scheduler (``_scheduler.py``) holds each
 request in its role's queues before decoding it (decode) or instead (prefill).
 The queues, their timing and how each takes an abort are the SimEngine's
-model (``trio_sglang._sim_disagg``, read off SGLang 0.5.23's
+model (``trio_sglang.sim._disagg``, read off SGLang 0.5.23's
 ``srt/disaggregation``), so that the real TokenizerManager and the SimEngine
 can be compared stage by stage; the other side of every room is the fixed
 peer script of ``DisaggSetup``.
+
+The two share their timing (``SimDisaggTiming``) and SGLang's abort texts,
+not the queue code: this process has no trio (it is SGLang's scheduler
+process, a blocking loop on ZMQ sockets), and its peer is a script, so every
+stage ends at a time known in advance; the SimEngine's stages are trio tasks
+that wait on a live peer's room events, possibly over HTTP.
 
 Prefill: *bootstrap* until the peer's handshake; *waiting* for the one
 forward slot; *prefilling* one chunk per forward (an abort takes effect
@@ -36,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
+from ..sim._disagg import ABORTED, NO_ROOM, abort_reason, kv_timed_out, room_failed
 from ._peer import DisaggSetup
 
 __all__ = ["EventLog", "Exit", "Queues", "queues_for"]
@@ -46,9 +53,6 @@ ExitKind = Literal["prefilled", "failed", "echo", "decode"]
 Stage = Literal["bootstrap", "waiting", "prefilling", "transferring", "prealloc", "transfer"]
 #: What the loop keeps of a request; handed back in its ``Exit``.
 R = TypeVar("R")
-
-_NO_ROOM = "Invalid request: Disaggregated request received without bootstrap room id."
-_ABORTED = "Aborted by AbortReq."
 
 
 class EventLog(Protocol):
@@ -102,7 +106,7 @@ class Queues(ABC, Generic[R]):
         """Queue a new request; one without a room is refused at once."""
         if room is None:
             self._log.write("abort_applied", rid, stage="no bootstrap room")
-            return Exit(request, "failed", _abort(_NO_ROOM, 400))
+            return Exit(request, "failed", abort_reason(NO_ROOM, 400))
         stage, lasts = self._arrival()
         self._queued[rid] = _Queued(request, rid, room, prompt_tokens, stage, now + lasts)
         return None
@@ -128,12 +132,7 @@ class Queues(ABC, Generic[R]):
 
     def _failed(self, queued: _Queued[R], what: str, why: str) -> Exit[R]:
         """SGLang's abort for a failed room (``KVTransferError`` in its message)."""
-        message = (
-            f"{what} for request rank=0 req.rid={queued.rid!r} "
-            f"req.bootstrap_room={queued.room} with exception "
-            f"KVTransferError(bootstrap_room={queued.room}): {why}"
-        )
-        return Exit(queued.request, "failed", _abort(message, 500))
+        return Exit(queued.request, "failed", room_failed(what, queued.rid, queued.room, why))
 
     @abstractmethod
     def _arrival(self) -> tuple[Stage, float]:
@@ -160,14 +159,14 @@ class _PrefillQueues(Queues[R]):
 
     def _abort(self, queued: _Queued[R]) -> Exit[R] | None:
         if queued.stage == "bootstrap":
-            return self._failed(queued, "Prefill bootstrap failed", _ABORTED)
+            return self._failed(queued, "Prefill bootstrap failed", ABORTED)
         if queued.stage == "waiting":
             self._waiting.remove(queued)
             return Exit(queued.request, "echo")
         if queued.stage == "prefilling":
             queued.abort_pending = True  # seen after this chunk's forward
             return None
-        return self._failed(queued, "Prefill transfer failed", _ABORTED)
+        return self._failed(queued, "Prefill transfer failed", ABORTED)
 
     def _end_stage(self, queued: _Queued[R], now: float) -> Exit[R] | None:
         exit = None
@@ -216,7 +215,7 @@ class _DecodeQueues(Queues[R]):
     def _abort(self, queued: _Queued[R]) -> Exit[R] | None:
         # The room fails; the peer sees it aborted and never sends the KV cache.
         what = "Decode handshake failed" if queued.stage == "prealloc" else "Decode transfer failed"
-        return self._failed(queued, what, _ABORTED)
+        return self._failed(queued, what, ABORTED)
 
     def _end_stage(self, queued: _Queued[R], now: float) -> Exit[R] | None:
         timeout = self._timing.kv_wait_timeout
@@ -229,14 +228,10 @@ class _DecodeQueues(Queues[R]):
             self._log.write("kv_received", queued.rid, room=queued.room)
             return Exit(queued.request, "decode")
         self._log.write("kv_timeout", queued.rid, room=queued.room)
-        why = f"Request {queued.room} timed out after {timeout}s in KVPoll.WaitingForInput"
+        why = kv_timed_out(queued.room, timeout, "WaitingForInput")
         return self._failed(queued, "Decode transfer failed", why)
 
 
 def queues_for(setup: DisaggSetup, log: EventLog) -> Queues[Any]:
     """The queues of ``setup.role`` (annotate the result with what the loop keeps)."""
     return (_PrefillQueues if setup.role == "prefill" else _DecodeQueues)(setup, log)
-
-
-def _abort(message: str, status_code: int) -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": status_code}

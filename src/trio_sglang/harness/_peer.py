@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import trio
 
 from .._engine import Engine, RequestPhase
-from .._sim_disagg import DisaggregationMode, SimDisaggTiming, SimKVRooms
+from ..sim import DisaggregationMode, SimDisaggTiming, SimKVRooms
 
 __all__ = ["DisaggSetup", "play_peer"]
 

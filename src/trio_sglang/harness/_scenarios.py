@@ -23,8 +23,8 @@ import trio
 from .._context import RequestContext
 from .._engine import Engine, EngineStream, RequestPhase
 from .._request import OutputMode
-from .._sim_disagg import SimKVRooms
 from .._worker import Worker
+from ..sim import SimEngine, SimKVRooms
 from ._peer import DisaggSetup, play_peer
 
 __all__ = [
@@ -345,7 +345,6 @@ async def observe_on_sim(
     With ``disagg``, a SimEngine in that role with its own ``SimKVRooms``,
     where the peer script plays the other side of each request's room.
     """
-    from .._sim_engine import SimEngine
     from .._worker import open_worker
 
     rooms = SimKVRooms()

@@ -18,7 +18,7 @@ import trio
 
 from .._context import RequestContext
 from .._errors import EngineError, EngineShutdown, InvalidRequest
-from .._sim_disagg import SimKVRooms
+from .._kv_rooms import HostedKVRooms
 from .._worker import Worker
 from ._asgi import (
     SSE_DONE,
@@ -56,7 +56,7 @@ class ServerApp:
         *,
         model: str,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        kv_rooms: SimKVRooms | None = None,
+        kv_rooms: HostedKVRooms | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
@@ -83,19 +83,10 @@ class ServerApp:
             ctx.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif scope["type"] == "http":
+        # HTTP only: ``serve_http`` runs no ASGI lifespan (the worker is entered
+        # around the server instead), and hypercorn's websockets are not routed.
+        if scope["type"] == "http":
             await self._http(scope, receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]

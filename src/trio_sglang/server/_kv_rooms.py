@@ -10,6 +10,12 @@ prefill server each request names. That is what lets sglang-router's PD mode
 pair two ``serve`` processes: it writes the prefill server's host and the
 bootstrap port it was given into every request.
 
+Only the SimEngine needs this bridge (SGLang runs its own bootstrap server),
+yet it lives here, not in ``trio_sglang.sim``: it is HTTP routes of the
+server's app and an HTTP client, and it knows the rooms only by the
+``KVRooms`` and ``HostedKVRooms`` protocols (``trio_sglang._kv_rooms``), so
+the server never imports the simulator and the simulator needs no HTTP.
+
 Only the decode side's calls cross the network, as in SGLang:
 
 - its events (``decode_ready``, the handshake; ``decode_aborted``, SGLang's
@@ -36,7 +42,7 @@ from urllib.parse import parse_qs
 import httpx
 import trio
 
-from .._sim_disagg import BootstrapAddr, RoomEvent, SimKVRooms
+from .._kv_rooms import BootstrapAddr, HostedKVRooms, RoomEvent
 from ._asgi import ClientGone, Receive, Scope, Send, read_json, send_json
 from ._errors import HTTPError
 
@@ -51,13 +57,15 @@ MAX_HOLD = 30.0
 #: A message is a few events and a flag.
 _MAX_MESSAGE_BYTES = 4096
 _EVENTS: tuple[RoomEvent, ...] = get_args(RoomEvent)
+#: Hosted rooms are the bootstrap server itself: the address is this one.
+_HERE = BootstrapAddr()
 
 
 # -- the prefill server's side -------------------------------------------------
 
 
 class KVRoomsApp:
-    """The bootstrap server's routes over a prefill server's ``SimKVRooms`` (ASGI).
+    """The bootstrap server's routes over a prefill server's hosted rooms (ASGI).
 
     ``POST <ROOMS_PATH><room>`` with ``{"events": [...], "done": bool}`` records
     the events in order, then, if ``done``, that the decode side is done with
@@ -68,7 +76,7 @@ class KVRoomsApp:
     asks again later.
     """
 
-    def __init__(self, rooms: SimKVRooms) -> None:
+    def __init__(self, rooms: HostedKVRooms) -> None:
         self.rooms = rooms
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -96,9 +104,9 @@ class KVRoomsApp:
         if not isinstance(done, bool):
             raise HTTPError(400, "'done' must be a bool")
         for event in events:
-            self.rooms.post(room, event)
+            self.rooms.post(room, event, _HERE)
         if done:
-            self.rooms.side_done(room)
+            self.rooms.side_done(room, _HERE)
 
     async def _wait(
         self, room: int, wanted: frozenset[RoomEvent], hold: float, receive: Receive
@@ -110,7 +118,7 @@ class KVRoomsApp:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_at_disconnect, receive, nursery.cancel_scope)
             with trio.move_on_after(hold):
-                events = await self.rooms.wait(room, wanted)
+                events = await self.rooms.wait(room, wanted, _HERE)
             # Not reached when the disconnect cancelled the body: events stays None.
             events = frozenset() if events is None else events
             nursery.cancel_scope.cancel()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
-from typing import Literal, get_args
+from collections.abc import Iterator, Mapping, Sized
+from typing import Literal, Protocol, runtime_checkable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,14 +17,25 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from .._faults import EngineFault
-from .._sim_engine import SimEngine
-from .._sim_trace import Trace, TraceKind
 from .._worker import Worker
 
-__all__ = ["CancelPhase", "ServerMetrics"]
+__all__ = ["CancelPhase", "CountsEvents", "ServerMetrics"]
 
 CancelPhase = Literal["before_headers", "before_first_token", "mid_stream"]
 Outcome = Literal["completed", "cancelled", "rejected", "failed", "shutdown"]
+
+
+@runtime_checkable
+class CountsEvents(Protocol):
+    """An engine that counts what reached it, as the SimEngine does (its trace's kinds).
+
+    Exported as ``trio_sglang_sim_events_total{kind}``; the server knows the
+    simulator by this and nothing else.
+    """
+
+    def event_counts(self) -> Mapping[str, int]:
+        """Events so far per kind, every kind (zeros too, so each series exists at once)."""
+        ...
 
 
 class ServerMetrics:
@@ -87,8 +98,8 @@ class ServerMetrics:
         self.cleanup_tasks.set_function(lambda: worker.pending_cleanups)
         self.open_streams.set_function(lambda: worker.open_streams)
         self.engine_live.set_function(worker.engine.live_requests)
-        if isinstance(worker.engine, SimEngine):
-            self.registry.register(_SimEvents(worker.engine.trace))
+        if isinstance(worker.engine, CountsEvents):
+            self.registry.register(_EngineEvents(worker.engine))
 
     def watch_kv_rooms(self, rooms: Sized) -> None:
         """A prefill server's KV rooms (its bootstrap server): ``trio_sglang_kv_rooms``.
@@ -115,7 +126,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _SimEvents(Collector):
+class _EngineEvents(Collector):
     """The SimEngine's event counts, every kind: ``trio_sglang_sim_events_total{kind}``.
 
     So that what reached the simulated engine (``abort_lost`` above all) can
@@ -123,8 +134,8 @@ class _SimEvents(Collector):
     engine keeps no events (``SimEngine(keep_trace=False)``, as ``serve`` runs it).
     """
 
-    def __init__(self, trace: Trace) -> None:
-        self._trace = trace
+    def __init__(self, engine: CountsEvents) -> None:
+        self._engine = engine
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(
@@ -132,6 +143,6 @@ class _SimEvents(Collector):
             "SimEngine events by kind (see trio_sglang.TraceKind).",
             labels=["kind"],
         )
-        for kind in get_args(TraceKind):
-            family.add_metric([kind], self._trace.counts[kind])
+        for kind, count in self._engine.event_counts().items():
+            family.add_metric([kind], count)
         yield family

@@ -18,8 +18,8 @@ from hypercorn.config import Config
 
 from .._disagg import PrefillPeer
 from .._engine import Engine
+from .._kv_rooms import HostedKVRooms
 from .._policy import AbortPolicy
-from .._sim_disagg import SimKVRooms
 from .._worker import open_worker
 from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from ._http import serve_http
@@ -41,7 +41,7 @@ async def serve(
     handle_signals: bool = True,
     shutdown: trio.Event | None = None,
     prefill: PrefillPeer | None = None,
-    kv_rooms: SimKVRooms | None = None,
+    kv_rooms: HostedKVRooms | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``shutdown`` is set); reports the bound URLs.
@@ -49,9 +49,9 @@ async def serve(
     ``task_status.started`` receives the URLs the server listens on (useful
     with ``port=0``). Prefill/decode disaggregation: ``prefill`` is a decode
     worker's prefill peer (``open_worker(prefill=...)``, e.g. ``HTTPPrefill``);
-    ``kv_rooms``, the ``SimKVRooms`` of a prefill ``SimEngine``, is served to
-    decode servers under ``/bootstrap/rooms/`` (SGLang's bootstrap server, on
-    this server's HTTP port; see ``_kv_rooms.py``).
+    ``kv_rooms``, the rooms of a prefill ``SimEngine`` (its ``SimKVRooms``),
+    is served to decode servers under ``/bootstrap/rooms/`` (SGLang's
+    bootstrap server, on this server's HTTP port; see ``_kv_rooms.py``).
     """
     shutdown = trio.Event() if shutdown is None else shutdown
     metrics = ServerMetrics()

@@ -19,9 +19,10 @@ from typing import Any
 
 import trio
 
-from ._sim_trace import Trace
+from .._kv_rooms import BootstrapAddr
+from ._trace import Trace
 
-__all__ = ["BootstrapAddr", "OutputSink", "SimScheduler", "SimTiming"]
+__all__ = ["OutputSink", "SimScheduler", "SimTiming"]
 
 #: Receives (rid, new token ids, finish reason or None): the detokenizer's path back.
 OutputSink = Callable[[str, list[int], dict[str, Any] | None], None]
@@ -48,18 +49,6 @@ class SimTiming:
                 or value < 0
             ):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class BootstrapAddr:
-    """Where a disaggregated request's prefill side hosts its bootstrap server.
-
-    SGLang's ``bootstrap_host`` and ``bootstrap_port`` request fields: the
-    decode side reaches the room there. ``None`` where the request did not say.
-    """
-
-    host: str | None = None
-    port: int | None = None
 
 
 @dataclass(slots=True, eq=False)

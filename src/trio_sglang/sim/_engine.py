@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, get_args
 
 import trio
 
-from ._engine import RequestPhase
-from ._sim_disagg import (
+from .._engine import RequestPhase
+from .._kv_rooms import KVRooms
+from ._disagg import (
     DisaggregationMode,
-    KVRooms,
     SimDecodeScheduler,
     SimDisaggTiming,
     SimPrefillScheduler,
 )
-from ._sim_scheduler import SimTiming
-from ._sim_tokenizer import SchedulerFactory, SimStream, SimTokenizerManager
-from ._sim_trace import Trace
+from ._scheduler import SimTiming
+from ._tokenizer import SchedulerFactory, SimStream, SimTokenizerManager
+from ._trace import Trace, TraceKind
 
 __all__ = ["SimEngine"]
 
@@ -50,7 +50,7 @@ class SimEngine:
     ``disaggregation_mode`` (``"prefill"`` or ``"decode"``, as SGLang's
     server argument) makes it one side of a prefill/decode pair; the two
     sides share a ``SimKVRooms`` (the bootstrap server and the KV transfer)
-    and their timing is ``disagg_timing`` (see ``_sim_disagg.py`` for the
+    and their timing is ``disagg_timing`` (see ``sim/_disagg.py`` for the
     queues and how each one takes an abort).
     """
 
@@ -108,6 +108,10 @@ class SimEngine:
 
     def live_requests(self) -> int:
         return len(self.live_rids())
+
+    def event_counts(self) -> dict[str, int]:
+        """Events so far per kind, every kind: what ``serve`` exports in ``/metrics``."""
+        return {kind: self.trace.counts[kind] for kind in get_args(TraceKind)}
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

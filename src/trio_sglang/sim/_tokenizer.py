@@ -1,6 +1,6 @@
 """The SimEngine's tokenizer side: SGLang 0.5.23's ``TokenizerManager`` as far as aborts care.
 
-What it reproduces, each for a reason in SGLANG_FACTS.md:
+What it reproduces, each something a cancellation lifecycle has to get right:
 - a stream starts nothing until first pulled; then it registers the rid
   (a duplicate raises) before its first await, tokenizes (awaited), and
   dispatches, setting the dispatch timestamp;
@@ -27,9 +27,10 @@ from typing import Any
 
 import trio
 
-from ._engine import RequestPhase
-from ._sim_scheduler import VOCAB_SIZE, BootstrapAddr, OutputSink, SimScheduler, SimTiming
-from ._sim_trace import Trace
+from .._engine import RequestPhase
+from .._kv_rooms import BootstrapAddr
+from ._scheduler import VOCAB_SIZE, OutputSink, SimScheduler, SimTiming
+from ._trace import Trace
 
 __all__ = ["SchedulerFactory", "SimStream", "SimTokenizerManager"]
 

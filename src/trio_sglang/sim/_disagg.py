@@ -30,6 +30,12 @@ side waits out its bootstrap timeout.
 Rooms of an expanded request are SGLang's: a scalar ``bootstrap_room`` on
 a native batch or ``n > 1`` becomes ``room + i`` for the i-th child; a list
 gives each prompt its own.
+
+The conformance harness's stand-in scheduler models the same queues
+(``trio_sglang.harness._pd_queues``) with this timing and these abort texts,
+but not this code: it runs in SGLang's scheduler process with no trio,
+against a scripted peer whose every event is due at a known time, where
+here each stage is a trio task waiting on a live peer's room events.
 """
 
 from __future__ import annotations
@@ -38,26 +44,28 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import trio
 
-from ._sim_scheduler import BootstrapAddr, OutputSink, SimScheduler, SimTiming
-from ._sim_trace import Trace, TraceKind
+from .._kv_rooms import BootstrapAddr, KVRooms, RoomEvent
+from ._scheduler import OutputSink, SimScheduler, SimTiming
+from ._trace import Trace, TraceKind
 
 __all__ = [
-    "BootstrapAddr",
+    "ABORTED",
+    "NO_ROOM",
     "DisaggregationMode",
-    "KVRooms",
-    "RoomEvent",
     "SimDecodeScheduler",
     "SimDisaggTiming",
     "SimKVRooms",
     "SimPrefillScheduler",
+    "abort_reason",
+    "kv_timed_out",
+    "room_failed",
 ]
 
 DisaggregationMode = Literal["prefill", "decode"]
-RoomEvent = Literal["decode_ready", "kv_sent", "decode_aborted"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,38 +108,6 @@ class _Room:
     lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
     #: Sides that are done with the room; it is forgotten when both are.
     done: int = 0
-
-
-class KVRooms(Protocol):
-    """What the two sides of a pair know of each other, keyed by bootstrap room.
-
-    In SGLang the prefill side hosts the bootstrap server and the KV cache
-    goes from GPU to GPU; here a room collects the events that matter to
-    aborts: the decode side's handshake, the KV cache sent, and the decode
-    side's abort notification. ``at`` is where the request says the prefill
-    side's bootstrap server is: rooms shared in one process ignore it, rooms
-    reached over a network go there (``trio_sglang.server.open_http_kv_rooms``).
-    The scheduler calls them from its own tasks, ``post`` and ``side_done``
-    synchronously (so a networked implementation sends in the background),
-    and none may raise (``wait`` only ``Cancelled``): an error would stop the
-    scheduler, not one request.
-    """
-
-    def post(self, room: int, event: RoomEvent, at: BootstrapAddr) -> None:
-        """Record ``event`` for ``room`` and wake whoever waits for it."""
-        ...
-
-    def happened(self, room: int, event: RoomEvent, at: BootstrapAddr) -> bool: ...
-
-    async def wait(
-        self, room: int, wanted: frozenset[RoomEvent], at: BootstrapAddr
-    ) -> frozenset[RoomEvent]:
-        """Those of ``wanted`` that have happened to ``room``, once one has; unbounded."""
-        ...
-
-    def side_done(self, room: int, at: BootstrapAddr) -> None:
-        """One side is done with ``room``; it is forgotten once both are."""
-        ...
 
 
 class SimKVRooms:
@@ -258,14 +234,7 @@ class _DisaggScheduler(SimScheduler, ABC):
         if room is None:
             # What SGLang's scheduler answers a disaggregated request without a room.
             self._trace.record("abort_applied", rid, "no bootstrap room")
-            self._sink(
-                rid,
-                [],
-                _abort(
-                    "Invalid request: Disaggregated request received without bootstrap room id.",
-                    400,
-                ),
-            )
+            self._sink(rid, [], abort_reason(NO_ROOM, 400))
             return
         staged = _Staged(
             rid, seed, max_new_tokens, prompt_tokens, room, at or BootstrapAddr(), self._first_stage
@@ -345,7 +314,7 @@ class SimPrefillScheduler(_DisaggScheduler):
             if not events:
                 self._trace.record("kv_timeout", staged.rid, "bootstrap")
                 timeout = self._disagg.bootstrap_timeout
-                why = f"Request {staged.room} timed out after {timeout}s in KVPoll.Bootstrapping"
+                why = kv_timed_out(staged.room, timeout, "Bootstrapping")
                 self._failed(staged, "Prefill bootstrap failed", why, None)
                 return
             if "decode_aborted" in events:
@@ -365,7 +334,7 @@ class SimPrefillScheduler(_DisaggScheduler):
                 self._forwarding = None
                 self._forward_free.unpark_all()
             if staged.abort_pending:
-                self._aborted(staged, _abort("Aborted", None))
+                self._aborted(staged, abort_reason("Aborted", None))
                 return
             staged.stage = "transferring"
             if self._rooms.happened(staged.room, "decode_aborted", staged.at):
@@ -389,30 +358,25 @@ class SimPrefillScheduler(_DisaggScheduler):
 
     def _abort_staged(self, staged: _Staged) -> None:
         if staged.stage == "bootstrap":
-            self._failed(staged, "Prefill bootstrap failed", "Aborted by AbortReq.")
+            self._failed(staged, "Prefill bootstrap failed", ABORTED)
         elif staged.stage == "waiting":
             self._waiting.remove(staged)
             self._forward_free.unpark_all()
-            self._aborted(staged, _abort("Abort in waiting queue", None))
+            self._aborted(staged, abort_reason("Abort in waiting queue", None))
         elif staged.stage == "prefilling":
             staged.abort_pending = True  # applied after this chunk's forward
         else:
-            self._failed(staged, "Prefill transfer failed", "Aborted by AbortReq.")
+            self._failed(staged, "Prefill transfer failed", ABORTED)
 
     def _failed(
         self, staged: _Staged, what: str, why: str, kind: TraceKind | None = "abort_applied"
     ) -> None:
         """End a request whose room failed; ``kind`` is its trace event, if not yet recorded."""
-        message = (
-            f"{what} for request rank=0 req.rid={staged.rid} "
-            f"req.bootstrap_room={staged.room} with exception "
-            f"KVTransferError(bootstrap_room={staged.room}): {why}"
-        )
         if not self._holds(staged):
             return
         if kind is not None:
             self._trace.record(kind, staged.rid, staged.stage)
-        self._end_staged(staged, _abort(message, 500), [])
+        self._end_staged(staged, room_failed(what, staged.rid, staged.room, why), [])
 
 
 class SimDecodeScheduler(_DisaggScheduler):
@@ -435,32 +399,45 @@ class SimDecodeScheduler(_DisaggScheduler):
                 return
             self._trace.record("kv_timeout", staged.rid, str(staged.room))
             timeout = self._disagg.kv_wait_timeout
-            self._end_staged(
-                staged,
-                _abort(
-                    f"Decode transfer failed for request rank=0 req.rid={staged.rid} "
-                    f"req.bootstrap_room={staged.room} with exception KVTransferError("
-                    f"bootstrap_room={staged.room}): Request {staged.room} timed out after "
-                    f"{timeout}s in KVPoll.WaitingForInput",
-                    500,
-                ),
-                [],
-            )
+            why = kv_timed_out(staged.room, timeout, "WaitingForInput")
+            failed = room_failed("Decode transfer failed", staged.rid, staged.room, why)
+            self._end_staged(staged, failed, [])
 
     def _abort_staged(self, staged: _Staged) -> None:
         if staged.stage == "transfer":  # the handshake gave it the prefill side's address
             self._rooms.post(staged.room, "decode_aborted", staged.at)  # the AbortNotification
         what = "Decode handshake failed" if staged.stage == "prealloc" else "Decode transfer failed"
-        self._aborted(
-            staged,
-            _abort(
-                f"{what} for request rank=0 req.rid={staged.rid} "
-                f"req.bootstrap_room={staged.room} with exception KVTransferError("
-                f"bootstrap_room={staged.room}): Aborted by AbortReq.",
-                500,
-            ),
-        )
+        self._aborted(staged, room_failed(what, staged.rid, staged.room, ABORTED))
 
 
-def _abort(message: str, status_code: int | None) -> dict[str, Any]:
+# -- what SGLang streams when a disaggregated request ends in an abort --------------
+# Shared with the stand-in scheduler's queues (``trio_sglang.harness``), so that
+# both sides of a conformance comparison answer in SGLang's words.
+
+#: The scheduler's answer (400) to a disaggregated request that came without a room.
+NO_ROOM = "Invalid request: Disaggregated request received without bootstrap room id."
+#: Why a room failed when this side's own ``AbortReq`` failed it.
+ABORTED = "Aborted by AbortReq."
+
+
+def abort_reason(message: str, status_code: int | None) -> dict[str, Any]:
+    """SGLang's abort finish reason."""
     return {"type": "abort", "message": message, "status_code": status_code}
+
+
+def room_failed(what: str, rid: str, room: int, why: str) -> dict[str, Any]:
+    """The 500 abort of a failed room, worded as SGLang's (``{req.rid=}``, so quoted).
+
+    ``what`` is the queue's failure (``"Prefill bootstrap failed"``, ...),
+    ``why`` the ``KVTransferError``'s text.
+    """
+    message = (
+        f"{what} for request rank=0 req.rid={rid!r} req.bootstrap_room={room} "
+        f"with exception KVTransferError(bootstrap_room={room}): {why}"
+    )
+    return abort_reason(message, 500)
+
+
+def kv_timed_out(room: int, seconds: float, poll: str) -> str:
+    """A room's timeout, as SGLang's ``KVTransferError`` says it; ``poll``: a ``KVPoll`` state."""
+    return f"Request {room} timed out after {seconds}s in KVPoll.{poll}"

@@ -1,0 +1,72 @@
+"""The engine a server runs, built in one place: the SimEngine or the real SGLang.
+
+``trio-sglang serve`` opens its engine here and hands it to
+``trio_sglang.server.serve``, which knows engines by the ``Engine`` protocol
+and KV rooms by ``HostedKVRooms`` only, so the server never imports the
+simulator. What a disaggregated SimEngine needs around it (the rooms a
+prefill side hosts, the HTTP client a decode side reaches them with) is
+opened and closed with the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._engine import Engine
+from ._kv_rooms import HostedKVRooms, KVRooms
+from ._sglang_engine import SGLangEngine
+from .sim import DisaggregationMode, SimEngine, SimKVRooms
+
+__all__ = ["EngineKind", "EngineOptions", "open_engine"]
+
+EngineKind = Literal["sim", "sglang"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """What ``open_engine`` builds: ``trio-sglang serve``'s engine options."""
+
+    kind: EngineKind = "sim"
+    #: SGLang's ``--disaggregation-mode``: one side of a prefill/decode pair.
+    disaggregation_mode: DisaggregationMode | None = None
+    #: The model SGLang loads (``kind="sglang"``).
+    model_path: str | None = None
+    #: ``SimEngine`` arguments (its delays, ``disagg_timing``); its defaults where absent.
+    sim_args: Mapping[str, Any] = field(default_factory=dict)
+
+
+@asynccontextmanager
+async def open_engine(
+    options: EngineOptions,
+) -> AsyncIterator[tuple[Engine, HostedKVRooms | None]]:
+    """The engine, and the KV rooms its server must host (a prefill SimEngine's), for the block.
+
+    The engine is not running yet: ``serve`` (``open_worker``) runs it.
+    """
+    mode = options.disaggregation_mode
+    if options.kind == "sglang":
+        if options.model_path is None:
+            raise ValueError("an SGLang engine needs a model_path")
+        # SGLang runs its own bootstrap server (--disaggregation-bootstrap-port).
+        disagg: dict[str, Any] = {} if mode is None else {"disaggregation_mode": mode}
+        yield SGLangEngine(model_path=options.model_path, **disagg), None
+        return
+    async with AsyncExitStack() as stack:
+        rooms: KVRooms | None = None
+        hosted: SimKVRooms | None = None
+        if mode == "prefill":
+            rooms = hosted = SimKVRooms()
+        elif mode == "decode":
+            from .server import open_http_kv_rooms  # the serve extra
+
+            rooms = await stack.enter_async_context(open_http_kv_rooms())
+        engine = SimEngine(
+            **options.sim_args,
+            keep_trace=False,  # a server runs for days: counts only (exported in /metrics)
+            disaggregation_mode=mode,
+            kv_rooms=rooms,
+        )
+        yield engine, hosted

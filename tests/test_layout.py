@@ -1,0 +1,129 @@
+"""What the package's layout promises: optional parts stay optional, the simulator stays apart.
+
+``trio-asyncio`` comes only with the ``sglang`` extra, so the package, its
+server and its simulator must import without it. The lifecycle and the HTTP
+server know the SimEngine only through protocols: neither imports
+``trio_sglang.sim`` (lazily or for type checking either), and ``serve``
+gets its engine from the CLI's one factory.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import trio_sglang
+from trio_sglang._engines import EngineOptions, open_engine
+from trio_sglang.server import ServerMetrics
+from trio_sglang.server._metrics import CountsEvents
+from trio_sglang.sim import DisaggregationMode, SimEngine, SimKVRooms
+
+PACKAGE = Path(trio_sglang.__file__).parent
+
+#: The lifecycle's modules; the simulator is one engine among others to them.
+LIFECYCLE = (
+    "_capabilities",
+    "_cleanup",
+    "_context",
+    "_disagg",
+    "_engine",
+    "_errors",
+    "_faults",
+    "_ids",
+    "_observer",
+    "_outputs",
+    "_policy",
+    "_pump",
+    "_request",
+    "_worker",
+)
+
+
+def test_the_package_imports_without_trio_asyncio() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+
+        sys.modules["trio_asyncio"] = None  # as if not installed
+
+        import trio_sglang as ts
+        import trio_sglang.server
+
+        assert ts.SGLangEngine.__name__ == "SGLangEngine"
+        for name in ts.__all__:
+            getattr(ts, name)
+        try:
+            ts.SGLangEngine(tokenizer_manager=object())
+        except ImportError as exc:
+            print(exc)
+        else:
+            raise AssertionError("SGLangEngine was made without trio-asyncio")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'trio-sglang[sglang]'" in result.stdout
+
+
+def _imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it, as absolute names."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        *(PACKAGE / f"{name}.py" for name in LIFECYCLE),
+        *sorted((PACKAGE / "server").glob("*.py")),
+    ],
+    ids=lambda path: str(path.relative_to(PACKAGE)),
+)
+def test_the_lifecycle_and_the_server_never_import_the_simulator(path: Path) -> None:
+    sim = sorted(
+        name
+        for name in _imported(path)
+        if name == "trio_sglang.sim" or name.startswith(("trio_sglang.sim.", "trio_sglang._sim"))
+    )
+    assert sim == [], f"{path.name} imports the simulator: {sim}"
+
+
+@pytest.mark.parametrize("mode", [None, "prefill", "decode"])
+async def test_the_engine_factory_gives_serve_a_sim_engine_and_the_rooms_to_host(
+    mode: DisaggregationMode | None,
+) -> None:
+    options = EngineOptions(disaggregation_mode=mode, sim_args={"token_interval": 0.5})
+    async with open_engine(options) as (engine, hosted):
+        assert isinstance(engine, SimEngine)
+        assert engine.timing.token_interval == 0.5
+        assert engine.disaggregation_mode == mode
+        # Only a prefill side hosts its rooms (SGLang's bootstrap server); a
+        # decode side reaches its prefill peers' rooms over HTTP.
+        if mode == "prefill":
+            assert isinstance(hosted, SimKVRooms)
+        else:
+            assert hosted is None
+        # The metrics know the simulator by this protocol only.
+        assert isinstance(engine, CountsEvents)
+        metrics = ServerMetrics()
+        async with trio_sglang.open_worker(engine) as worker:
+            metrics.watch(worker)
+            assert 'trio_sglang_sim_events_total{kind="abort_lost"} 0.0' in (
+                metrics.render().decode()
+            )
