@@ -21,6 +21,7 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
+from conftest import finish_reason
 from trio_sglang import _request
 from trio_sglang._ids import RID_LENGTH
 
@@ -94,15 +95,6 @@ async def assert_rejected(
         assert worker.pending_cleanups == 0
         assert_engine_untouched(engine)
     assert_engine_untouched(engine)
-
-
-def finish_reason_of(chunk: Mapping[str, Any], output: str) -> str | None:
-    if output == "tokens":
-        return chunk["finish_reason"]
-    if output == "text":
-        return chunk["choices"][0]["finish_reason"]
-    reason = chunk["meta_info"]["finish_reason"]
-    return None if reason is None else reason["type"]
 
 
 def public_id_of(chunk: Mapping[str, Any], output: str) -> str | None:
@@ -333,8 +325,8 @@ async def test_good_request_streams_to_the_end(
         assert worker.pending_cleanups == 0
 
     assert received
-    assert [finish_reason_of(c, output) for c in received[:-1]] == [None] * (len(received) - 1)
-    assert finish_reason_of(received[-1], output) == "length"
+    assert [finish_reason(c, output) for c in received[:-1]] == [None] * (len(received) - 1)
+    assert finish_reason(received[-1], output) == "length"
     for chunk in received:
         assert public_id_of(chunk, output) in (None, caller_rid or ctx.id)
 

@@ -21,6 +21,7 @@ import trio.testing
 
 import trio_sglang as ts
 from _readme import readme_block
+from conftest import read, slow_sim
 from trio_sglang.server import ServerMetrics, serve
 from trio_sglang.testing import Faults, FaultyEngine
 
@@ -43,17 +44,6 @@ def is_faulty(request: Any) -> bool:
     return bool(request["text"] == FAULTY["text"])
 
 
-def new_sim(release_on_close: bool) -> ts.SimEngine:
-    """Registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ..."""
-    return ts.SimEngine(
-        tokenize_delay=1.0,
-        dispatch_delay=0.5,
-        first_token_delay=1.0,
-        token_interval=1.0,
-        release_on_close=release_on_close,
-    )
-
-
 class Recorder:
     """A ``WorkerObserver`` that keeps what it hears."""
 
@@ -68,19 +58,8 @@ class Recorder:
         self.faults.append(kind)
 
 
-async def read(worker: ts.Worker, request: dict[str, Any], ctx_id: str, leave_after: int) -> int:
-    """Read up to ``leave_after`` chunks, then leave; the number of chunks read."""
-    chunks = 0
-    async with worker.generate(request, ts.RequestContext(ctx_id)) as stream:
-        async for _ in stream:
-            chunks += 1
-            if chunks == leave_after:
-                break
-    return chunks
-
-
 async def read_healthy(worker: ts.Worker, ctx_id: str) -> None:
-    assert await read(worker, HEALTHY, ctx_id, leave_after=-1) == 5
+    assert await read(worker, HEALTHY, ts.RequestContext(ctx_id)) == 5
 
 
 @dataclass(frozen=True)
@@ -151,18 +130,19 @@ CASES = {
 async def test_an_injected_fault_is_bounded_logged_once_counted_and_isolated(
     case: Case, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sim = new_sim(case.release_on_close)
+    sim = slow_sim(release_on_close=case.release_on_close)
     engine = FaultyEngine(sim, case.faults, select=is_faulty)
     observer = Recorder()
     async with ts.open_worker(engine, policy=POLICY, observer=observer) as worker:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read_healthy, worker, "pub-beside")
+            faulty = ts.RequestContext("pub-faulty")
             if case.error_at is None:
-                assert await read(worker, FAULTY, "pub-faulty", leave_after=1) == 1
+                assert await read(worker, FAULTY, faulty, leave_after=1) == 1
                 assert trio.current_time() == 2.5  # closed when the caller left
             else:
                 with pytest.raises(ts.EngineError, match="pub-faulty") as raised:
-                    await read(worker, FAULTY, "pub-faulty", leave_after=-1)
+                    await read(worker, FAULTY, faulty)
                 assert trio.current_time() == case.error_at
                 assert str(raised.value).count("pub-faulty") == 1
                 assert not any(rid in str(raised.value) for rid in engine.faulty_rids)
@@ -183,11 +163,11 @@ async def test_an_injected_fault_is_bounded_logged_once_counted_and_isolated(
 async def test_a_silent_stream_without_a_stall_bound_closes_when_its_caller_leaves(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sim = new_sim(release_on_close=True)
+    sim = slow_sim(release_on_close=True)
     engine = FaultyEngine(sim, Faults(stream_silent_after=1))
     async with ts.open_worker(engine) as worker:  # stall_timeout is off by default
         with trio.move_on_after(20):
-            await read(worker, FAULTY, "pub-waiting", leave_after=-1)
+            await read(worker, FAULTY, ts.RequestContext("pub-waiting"))
         assert trio.current_time() == 20
         await trio.testing.wait_all_tasks_blocked()
         assert worker.pending_cleanups == 0
@@ -198,14 +178,14 @@ async def test_a_silent_stream_without_a_stall_bound_closes_when_its_caller_leav
 async def test_an_engine_that_goes_away_fails_every_stream_and_every_later_request(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sim = new_sim(release_on_close=True)
+    sim = slow_sim(release_on_close=True)
     engine = FaultyEngine(sim)
     observer = Recorder()
     errors: list[float] = []
 
     async def doomed(ctx_id: str) -> None:
         with pytest.raises(ts.EngineError, match=rf"{ctx_id} \(ConnectionResetError\)"):
-            await read(worker, FAULTY, ctx_id, leave_after=-1)
+            await read(worker, FAULTY, ts.RequestContext(ctx_id))
         errors.append(trio.current_time())
 
     async with ts.open_worker(engine, policy=POLICY, observer=observer) as worker:
@@ -232,9 +212,9 @@ async def test_server_metrics_count_faults_by_kind(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     metrics = ServerMetrics()
-    engine = FaultyEngine(new_sim(release_on_close=False), Faults(abort="raise"))
+    engine = FaultyEngine(slow_sim(release_on_close=False), Faults(abort="raise"))
     async with ts.open_worker(engine, policy=POLICY, observer=metrics) as worker:
-        await read(worker, FAULTY, "pub-1", leave_after=1)
+        await read(worker, FAULTY, ts.RequestContext("pub-1"), leave_after=1)
         await trio.sleep(10)
     text = metrics.render().decode()
     assert 'trio_sglang_engine_faults_total{kind="abort_error"} 1.0' in text
@@ -273,7 +253,7 @@ async def test_the_readme_example_injects_what_it_says(
     engine: FaultyEngine = namespace["engine"]
     async with ts.open_worker(engine, policy=POLICY) as worker:
         poison = {"text": "poison", "sampling_params": {"max_new_tokens": 50}}
-        await read(worker, poison, "pub-poison", leave_after=1)
+        await read(worker, poison, ts.RequestContext("pub-poison"), leave_after=1)
         await read_healthy(worker, "pub-healthy")
         await trio.sleep(60)
     (record,) = caplog.records

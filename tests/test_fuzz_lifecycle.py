@@ -76,6 +76,7 @@ from _strategies import (
     Scenario,
     scenarios,
 )
+from conftest import finish_reason, slow_sim
 from trio_sglang.sim._tokenizer import ReqState, SimStream
 
 #: Examples per test in CI: fixed, derandomized, at least 1,000 in all.
@@ -437,15 +438,6 @@ def chunk_index(chunk: dict[str, Any], output: ts.OutputMode) -> int:
     return int(chunk.get("index", 0))
 
 
-def chunk_finish(chunk: dict[str, Any], output: ts.OutputMode) -> object:
-    if output == "native":
-        reason = chunk["meta_info"]["finish_reason"]
-        return None if reason is None else reason["type"]
-    if output == "text":
-        return chunk["choices"][0]["finish_reason"]
-    return chunk["finish_reason"]
-
-
 def chunk_tokens(chunk: dict[str, Any], output: ts.OutputMode) -> int:
     if output == "tokens":
         return len(chunk["token_ids"])
@@ -473,7 +465,7 @@ def check_chunks(seen: Seen) -> None:
             assert chunk["meta_info"]["id"] == names[index], (chunk, names)
         assert not finals[index], f"a chunk after child {index} finished: {chunk}"
         tokens[index] += chunk_tokens(chunk, output)
-        if chunk_finish(chunk, output) is not None:
+        if finish_reason(chunk, output) is not None:
             finals[index] += 1
     if seen.complete:
         every_child = range(plan.children)
@@ -482,7 +474,7 @@ def check_chunks(seen: Seen) -> None:
             {k: plan.max_new_for(k) for k in every_child if plan.max_new_for(k)}
         )
         for chunk in seen.chunks:
-            assert chunk_finish(chunk, output) in (None, "length"), chunk
+            assert finish_reason(chunk, output) in (None, "length"), chunk
 
 
 def check_late_tokens(outcome: Outcome, engine: EnginePlan) -> None:
@@ -742,13 +734,7 @@ async def test_regression_native_batch_of_one_prompt_is_aborted_without_release_
     Expected: the abort follows the stop (or the dispatch, if later), and no
     token is decoded after the stop. Seen: no abort, every token decoded.
     """
-    engine = ts.SimEngine(
-        tokenize_delay=1.0,
-        dispatch_delay=0.5,
-        first_token_delay=1.0,
-        token_interval=1.0,
-        release_on_close=False,
-    )
+    engine = slow_sim(release_on_close=False)
     ctx = ts.RequestContext("ctx-batch-of-one")
     request = {"text": ["the only prompt"], "sampling_params": {"max_new_tokens": 5}}
     async with ts.open_worker(engine) as worker, trio.open_nursery() as nursery:

@@ -12,20 +12,11 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
+from conftest import slow_sim
 from trio_sglang.testing import AbortFault, Faults, FaultyEngine
 
+#: On ``slow_sim()``: registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ..., 6.5.
 REQUEST: dict[str, Any] = {"text": "hello there", "sampling_params": {"max_new_tokens": 5}}
-
-
-def slow_sim(**overrides: Any) -> ts.SimEngine:
-    """Registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ..., 6.5."""
-    knobs: dict[str, Any] = {
-        "tokenize_delay": 1.0,
-        "dispatch_delay": 0.5,
-        "first_token_delay": 1.0,
-        "token_interval": 1.0,
-    }
-    return ts.SimEngine(**(knobs | overrides))
 
 
 async def stream_until(

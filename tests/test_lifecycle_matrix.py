@@ -25,6 +25,7 @@ import pytest
 import trio
 
 import trio_sglang as ts
+from conftest import finish_reason, slow_sim
 
 PRE_WORK = 1.0
 SEND_TIME = 0.8
@@ -64,14 +65,6 @@ class Consumer:
     chunks: list[dict[str, Any]] = field(default_factory=list)
     left_at: float | None = None
     raised: BaseException | None = None
-
-
-def finish_reason(chunk: dict[str, Any], output: str) -> object:
-    if output == "native":
-        return chunk["meta_info"]["finish_reason"]
-    if output == "text":
-        return chunk["choices"][0]["finish_reason"]
-    return chunk["finish_reason"]
 
 
 def cancel_time(method: str, phase: str) -> float:
@@ -141,13 +134,7 @@ async def consume(
 async def run_case(
     method: str, phase: str, output: ts.OutputMode, release: bool
 ) -> tuple[ts.SimEngine, Consumer, float]:
-    engine = ts.SimEngine(
-        tokenize_delay=1.0,
-        dispatch_delay=0.5,
-        first_token_delay=1.0,
-        token_interval=1.0,
-        release_on_close=release,
-    )
+    engine = slow_sim(release_on_close=release)
     ctx = ts.RequestContext("ctx-public-1")
     seen = Consumer()
     streams: list[ts.ResponseStream] = []

@@ -18,10 +18,13 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
+from conftest import finish_reason, read, slow_sim
 from trio_sglang.testing import Faults, FaultyEngine
 
 CTX_ID = "chatcmpl-par"
 PRE_WORK = 1.0
+#: On a no-release engine the cleanup reads on for 10 s after the cancel, to abort late children.
+POLICY = ts.AbortPolicy(child_watch_timeout=10.0)
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,6 @@ PHASES = [
 ]
 
 
-def new_engine(release_on_close: bool) -> ts.SimEngine:
-    return ts.SimEngine(
-        tokenize_delay=1.0,
-        dispatch_delay=0.5,
-        first_token_delay=1.0,
-        token_interval=1.0,
-        release_on_close=release_on_close,
-    )
-
-
 def times(engine: ts.SimEngine, kind: str) -> list[float]:
     return sorted(e.time for e in engine.trace if e.kind == kind)
 
@@ -97,14 +90,6 @@ def cancel_offsets(engine: ts.SimEngine, t0: float) -> dict[str, float]:
     return {phase: t - t0 for phase, t in at.items()}
 
 
-def finish_reason(chunk: dict[str, Any], output: str) -> object:
-    if output == "native":
-        return chunk["meta_info"]["finish_reason"]
-    if output == "text":
-        return chunk["choices"][0]["finish_reason"]
-    return chunk["finish_reason"]
-
-
 @dataclass
 class Run:
     engine: ts.SimEngine
@@ -115,9 +100,8 @@ class Run:
 
 async def run(s: Shape, output: ts.OutputMode, release: bool, cancel_after: float | None) -> Run:
     """One request; its consumer's task is cancelled ``cancel_after`` seconds in."""
-    result = Run(new_engine(release), trio.current_time(), [])
-    policy = ts.AbortPolicy(child_watch_timeout=10.0)
-    async with ts.open_worker(result.engine, policy=policy) as worker:
+    result = Run(slow_sim(release_on_close=release), trio.current_time(), [])
+    async with ts.open_worker(result.engine, policy=POLICY) as worker:
         async with trio.open_nursery() as nursery:
 
             async def consumer() -> None:
@@ -207,7 +191,7 @@ async def test_cancel_stops_every_child(
 async def test_batch_with_n_is_refused_where_the_engine_cannot_run_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    sim = new_engine(True)
+    sim = slow_sim(release_on_close=True)
     engine = FaultyEngine(sim, features={"batch_parallel_sampling": False})
     request = {"text": ["a", "b"], "sampling_params": {"n": 2}}
     async with ts.open_worker(engine) as worker:
@@ -222,8 +206,8 @@ async def test_batch_with_n_is_refused_where_the_engine_cannot_run_it(
 async def test_breaking_out_after_the_first_child_speaks_stops_the_others(
     release: bool, autojump_clock: trio.testing.MockClock
 ) -> None:
-    engine = new_engine(release)
-    async with ts.open_worker(engine, policy=ts.AbortPolicy(child_watch_timeout=10.0)) as worker:
+    engine = slow_sim(release_on_close=release)
+    async with ts.open_worker(engine, policy=POLICY) as worker:
         async with worker.generate(SHAPES[2].request, ts.RequestContext(CTX_ID)) as stream:
             async for chunk in stream:
                 assert chunk["choices"][0]["index"] == 0
@@ -236,16 +220,10 @@ async def test_breaking_out_after_the_first_child_speaks_stops_the_others(
         assert len(late) <= (0 if release else 1)
 
 
-async def drain(worker: ts.Worker, request: dict[str, Any]) -> None:
-    async with worker.generate(request, ts.RequestContext(CTX_ID)) as stream:
-        async for _ in stream:
-            pass
-
-
 async def drain_until_shutdown(worker: ts.Worker, raised: list[BaseException]) -> None:
     """Read a parallel stream; record the EngineShutdown that must end it."""
     try:
-        await drain(worker, SHAPES[1].request)
+        await read(worker, SHAPES[1].request, ts.RequestContext(CTX_ID))
     except ts.EngineShutdown as exc:
         raised.append(exc)
 
@@ -253,7 +231,7 @@ async def drain_until_shutdown(worker: ts.Worker, raised: list[BaseException]) -
 async def test_shutdown_ends_a_parallel_stream_and_stops_its_children(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = new_engine(True)
+    engine = slow_sim(release_on_close=True)
     raised: list[BaseException] = []
     async with trio.open_nursery() as outer, ts.open_worker(engine) as worker:
         outer.start_soon(drain_until_shutdown, worker, raised)
@@ -265,11 +243,11 @@ async def test_shutdown_ends_a_parallel_stream_and_stops_its_children(
 async def test_an_engine_error_reaches_a_parallel_stream_and_its_children_stop(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    sim = new_engine(True)
+    sim = slow_sim(release_on_close=True)
     engine = FaultyEngine(sim, Faults(stream_error_after=2))
     async with ts.open_worker(engine) as worker:
         with pytest.raises(ts.EngineError, match="RuntimeError"):
-            await drain(worker, SHAPES[1].request)
+            await read(worker, SHAPES[1].request, ts.RequestContext(CTX_ID))
         await trio.testing.wait_all_tasks_blocked()
         assert worker.pending_cleanups == 0
     assert sim.live_rids() == set()
@@ -279,7 +257,7 @@ async def test_an_engine_error_reaches_a_parallel_stream_and_its_children_stop(
 async def test_a_worker_cancelled_from_outside_ends_outside_streams_with_engine_shutdown(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = new_engine(True)
+    engine = slow_sim(release_on_close=True)
     raised: list[BaseException] = []
     async with trio.open_nursery() as outer:
         with trio.CancelScope() as scope:

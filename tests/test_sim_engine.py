@@ -303,73 +303,78 @@ async def test_abort_matches_by_prefix(autojump_clock: trio.testing.MockClock) -
 # -- 7. the release path -------------------------------------------------------
 
 
-async def test_cancelled_pull_during_tokenization_releases(
-    autojump_clock: trio.testing.MockClock,
+#: When the first pull is cancelled, and the timeline.
+CANCELLED_PULLS = [
+    pytest.param(0.5, [(0.0, "registered"), (0.5, "released")], id="during-tokenization-releases"),
+    pytest.param(
+        2.0,
+        [*normal_run()[:2], (2.0, "abort_requested"), (2.0, "abort_applied")],
+        id="after-dispatch-aborts",
+    ),
+]
+
+
+@pytest.mark.parametrize(("cancel_at", "expected"), CANCELLED_PULLS)
+async def test_cancelled_pull(
+    cancel_at: float, expected: Timeline, autojump_clock: trio.testing.MockClock
 ) -> None:
     engine = make_engine()
     async with started(engine) as h:
         stream = engine.generate(request("r1"))
-        with trio.move_on_after(0.5) as scope:
+        with trio.move_on_after(cancel_at) as scope:
             await stream.__anext__()
         assert scope.cancelled_caught
         assert engine.phase("r1") is RequestPhase.ABSENT
+        assert_idle(engine)
         await h.at(LATER)
-    assert h.timeline("r1") == [(0.0, "registered"), (0.5, "released")]
-    assert len(engine.trace) == 2  # nothing for any other rid either
+    assert h.timeline("r1") == expected
+    assert len(engine.trace) == len(expected)  # nothing for any other rid either
     assert_idle(engine)
 
 
-async def test_cancelled_pull_after_dispatch_aborts(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    engine = make_engine()
-    async with started(engine) as h:
-        stream = engine.generate(request("r1"))
-        with trio.move_on_after(2.0):
-            await stream.__anext__()
-        assert_idle(engine)
-        await h.at(LATER)
-    assert h.timeline("r1") == [
-        (0.0, "registered"),
-        (1.5, "dispatched"),
-        (2.0, "abort_requested"),
-        (2.0, "abort_applied"),
-    ]
-    assert_idle(engine)
+#: Outputs pulled, the last one's finish reason, when the stream is closed, the timeline.
+ACLOSES = [
+    pytest.param(
+        1,
+        None,
+        2.75,  # parked between items
+        [*normal_run()[:3], (2.75, "abort_requested"), (2.75, "abort_applied")],
+        id="mid-stream-aborts",
+    ),
+    pytest.param(
+        3,
+        {"type": "length", "length": 3},
+        4.0,
+        normal_run(),
+        id="after-the-final-output-sends-nothing",
+    ),
+]
 
 
-async def test_aclose_mid_stream_aborts(autojump_clock: trio.testing.MockClock) -> None:
-    engine = make_engine()
-    async with started(engine) as h:
-        stream = engine.generate(request("r1"))
-        await stream.__anext__()
-        await h.at(2.75)  # parked between items
-        await stream.aclose()
-        assert_idle(engine)
-        await h.at(LATER)
-        with pytest.raises(StopAsyncIteration):
-            await stream.__anext__()
-    assert h.timeline("r1") == [
-        *normal_run()[:3],
-        (2.75, "abort_requested"),
-        (2.75, "abort_applied"),
-    ]
-
-
-async def test_aclose_after_the_final_output_sends_nothing(
+@pytest.mark.parametrize(("outputs", "last_reason", "close_at", "expected"), ACLOSES)
+async def test_aclose(
+    outputs: int,
+    last_reason: dict[str, Any] | None,
+    close_at: float,
+    expected: Timeline,
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     engine = make_engine()
     async with started(engine) as h:
         stream = engine.generate(request("r1"))
         pulled = Pulled()
-        await h.pull(stream, pulled, limit=3)
-        assert finish_reason(pulled.outputs[-1]) is not None
-        await h.at(4.0)
+        await h.pull(stream, pulled, limit=outputs)
+        assert len(pulled.outputs) == outputs
+        assert finish_reason(pulled.outputs[-1]) == last_reason
+        await h.at(close_at)
         await stream.aclose()
+        assert_idle(engine)
         await h.at(LATER)
-    assert h.timeline("r1") == normal_run()
-    assert not any(event.kind in ABORTS for event in engine.trace)
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+    assert h.timeline("r1") == expected
+    sent = [kind for _, kind in expected if kind in ABORTS]
+    assert [event.kind for event in engine.trace if event.kind in ABORTS] == sent
 
 
 # -- 8. the leak of an abandoned stream ----------------------------------------

@@ -1,0 +1,56 @@
+"""Helpers shared by the test modules: the engine most lifecycle tests run on, and stream readers.
+
+These are plain functions, not fixtures: module-level helpers and constants use
+them too. pytest imports this file as the module ``conftest``, with ``tests/``
+on ``sys.path`` (the default "prepend" import mode, which also lets the tests
+import ``_fuzz`` and ``_strategies``), so a test module imports them by name:
+``from conftest import slow_sim``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import trio_sglang as ts
+
+#: The lifecycle tests' timeline: registered at 0, tokenizing until 1,
+#: dispatched at 1.5, the first token at 2.5, then one every second.
+SLOW_KNOBS: Mapping[str, float] = {
+    "tokenize_delay": 1.0,
+    "dispatch_delay": 0.5,
+    "first_token_delay": 1.0,
+    "token_interval": 1.0,
+}
+
+
+def slow_sim(**overrides: Any) -> ts.SimEngine:
+    """A SimEngine on ``SLOW_KNOBS``: registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ..."""
+    return ts.SimEngine(**{**SLOW_KNOBS, **overrides})
+
+
+def finish_reason(chunk: Mapping[str, Any], output: str) -> str | None:
+    """A chunk's finish reason in any output mode (of a native chunk, its ``type``)."""
+    if output == "tokens":
+        return chunk["finish_reason"]
+    if output == "text":
+        return chunk["choices"][0]["finish_reason"]
+    reason = chunk["meta_info"]["finish_reason"]
+    return None if reason is None else reason["type"]
+
+
+async def read(
+    worker: ts.Worker,
+    request: Mapping[str, Any],
+    ctx: ts.RequestContext,
+    *,
+    leave_after: int | None = None,
+) -> int:
+    """Read the stream to its end, or leave after ``leave_after`` chunks; how many were read."""
+    chunks = 0
+    async with worker.generate(request, ctx) as stream:
+        async for _ in stream:
+            chunks += 1
+            if chunks == leave_after:
+                break
+    return chunks
