@@ -30,6 +30,8 @@ from hypothesis import strategies as st
 
 import trio_sglang as ts
 from _fuzz import fuzz_settings
+from conftest import SLOW_KNOBS, slow_sim
+from trio_sglang._disagg import PEER_CHECK_TIMEOUT
 from trio_sglang.testing import Faults, FaultyEngine
 
 REQUEST: dict[str, Any] = {
@@ -43,16 +45,10 @@ TIMING = ts.SimDisaggTiming(
     kv_transfer_delay=0.5,
     kv_wait_timeout=300.0,
 )
-KNOBS: dict[str, Any] = {
-    "tokenize_delay": 1.0,
-    "dispatch_delay": 0.5,
-    "first_token_delay": 1.0,
-    "token_interval": 1.0,
-}
 
 
 def sim_pair(
-    rooms: ts.SimKVRooms, knobs: Mapping[str, Any] = KNOBS, timing: ts.SimDisaggTiming = TIMING
+    rooms: ts.SimKVRooms, knobs: Mapping[str, Any] = SLOW_KNOBS, timing: ts.SimDisaggTiming = TIMING
 ) -> tuple[ts.SimEngine, ts.SimEngine]:
     """A prefill and a decode SimEngine sharing ``rooms``."""
     sides = {**knobs, "kv_rooms": rooms, "disagg_timing": timing}
@@ -247,7 +243,7 @@ async def test_a_room_whose_other_side_never_came_is_forgotten(
     # the prefill leg, still tokenizing at the cancel, never reaches its
     # scheduler: only one side is ever done with the room.
     rooms = ts.SimKVRooms(forget_after=300.0)
-    knobs = {**KNOBS, "dispatch_delay": 0.0, "kv_rooms": rooms, "disagg_timing": TIMING}
+    knobs = {**SLOW_KNOBS, "dispatch_delay": 0.0, "kv_rooms": rooms, "disagg_timing": TIMING}
     prefill = ts.SimEngine(**{**knobs, "tokenize_delay": 2.0}, disaggregation_mode="prefill")
     decode = ts.SimEngine(**knobs, disaggregation_mode="decode")
     async with ts.open_worker(prefill) as prefill_worker:
@@ -374,7 +370,7 @@ async def test_a_decode_worker_without_a_peer_needs_the_routers_bootstrap_fields
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     rooms = ts.SimKVRooms()
-    decode = ts.SimEngine(**KNOBS, disaggregation_mode="decode", kv_rooms=rooms)
+    decode = slow_sim(disaggregation_mode="decode", kv_rooms=rooms)
     async with ts.open_worker(decode) as worker:
         with pytest.raises(ts.InvalidRequest, match="without a prefill peer"):
             async with worker.generate(REQUEST, ts.RequestContext("bad")):
@@ -544,8 +540,8 @@ async def test_a_prefill_without_its_decode_side_fails_after_the_bootstrap_timeo
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     timing = ts.SimDisaggTiming(bootstrap_timeout=300.0)
-    prefill = ts.SimEngine(
-        **KNOBS, disaggregation_mode="prefill", kv_rooms=ts.SimKVRooms(), disagg_timing=timing
+    prefill = slow_sim(
+        disaggregation_mode="prefill", kv_rooms=ts.SimKVRooms(), disagg_timing=timing
     )
     async with prefill.running():
         (out,) = await drain_engine(prefill, {**REQUEST, "rid": "p", "bootstrap_room": 5})
@@ -582,3 +578,79 @@ async def test_a_scalar_room_on_a_native_batch_becomes_one_room_per_child(
     paired = {e.detail for e in decode.trace if e.kind == "kv_received"}
     assert paired == {"40", "41"}
     assert len(rooms) == 0
+
+
+# -- regressions: what the engine ends, and a cancel behind a long forward ------------
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+async def test_a_request_the_engine_fails_names_only_its_public_id(
+    mode: ts.DisaggregationMode, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A bootstrap (prefill) or KV transfer (decode) timeout: SGLang's message names the rid."""
+    engine = slow_sim(disaggregation_mode=mode, kv_rooms=ts.SimKVRooms(), disagg_timing=TIMING)
+    body = {**REQUEST, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 5}
+    async with ts.open_worker(engine) as worker:
+        ctx = ts.RequestContext("pub-alone")
+        async with worker.generate(body, ctx, output="native") as chunks:
+            (out,) = [chunk async for chunk in chunks]
+    (rid,) = {event.rid for event in engine.trace}
+    message = out["meta_info"]["finish_reason"]["message"]
+    assert "timed out after 300.0s" in message
+    assert "req.rid='pub-alone'" in message
+    assert rid not in repr(out)
+
+
+async def test_a_cancel_behind_a_long_prefill_forward_sends_one_abort(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The abort waits for the 1.6 s forward (past ``release_timeout``); no second one goes.
+
+    SGLang sends one abort per request: a second, sent while the first waits
+    behind the forward, would be dropped (``abort_dropped``).
+    """
+    one_long_forward = ts.SimDisaggTiming(
+        prefill_time_per_token=0.16, prefill_chunk_tokens=16, bootstrap_delay=0.5
+    )
+    prefill, decode = sim_pair(ts.SimKVRooms(), timing=one_long_forward)
+    async with (
+        ts.open_worker(prefill) as prefill_worker,
+        ts.open_worker(decode, prefill=ts.InProcessPrefill(prefill_worker)) as worker,
+    ):
+        assert await stream(worker, "cancelled", cancel_at=2.1) == []  # prefilling 2.0-3.6
+        await trio.sleep(10)
+        assert prefill_worker.pending_cleanups == 0
+    (rid,) = {event.rid for event in prefill.trace}
+    aborts = [(e.time, e.kind, e.detail) for e in prefill.trace.of(rid) if "abort" in e.kind]
+    assert aborts == [
+        (2.1, "abort_requested", ""),
+        (pytest.approx(3.6), "abort_applied", "prefilling"),
+    ]
+    assert prefill.live_rids() == decode.live_rids() == set()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+class SilentPeer:
+    """A prefill peer that never answers (a server that accepts and then hangs)."""
+
+    name = "silent-prefill"
+    bootstrap_host = "127.0.0.1"
+    bootstrap_port = 8998
+
+    async def capabilities(self) -> Mapping[str, Any]:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def prefill(self, request: Mapping[str, Any], public_id: str) -> None:
+        raise AssertionError("a worker that could not check its peer must not start")
+
+
+async def test_a_prefill_peer_that_never_answers_fails_the_worker_start_with_prefill_failed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    decode = slow_sim(disaggregation_mode="decode", kv_rooms=ts.SimKVRooms(), disagg_timing=TIMING)
+    failed = pytest.RaisesExc(ts.PrefillFailed, match="silent-prefill did not answer")
+    with pytest.RaisesGroup(failed, flatten_subgroups=True):  # through the engine's nursery
+        async with ts.open_worker(decode, prefill=SilentPeer()):
+            pytest.fail("the worker started without its peer's capabilities")
+    assert trio.current_time() == PEER_CHECK_TIMEOUT

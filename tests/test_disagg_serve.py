@@ -28,6 +28,7 @@ import importlib.util
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -44,6 +45,7 @@ from prometheus_client import parser
 import trio_sglang as ts
 from _processes import Process, free_port, start_router, start_workers, wait_until
 from _readme import readme_block
+from conftest import read
 from trio_sglang.server import HTTPPrefill, open_http_kv_rooms, serve
 
 PREFILL_ARGS = (
@@ -459,7 +461,7 @@ async def test_in_one_process_both_sides_forget_every_room() -> None:
 
                 left = ts.RequestContext("left")
                 async with trio.open_nursery() as clients:
-                    clients.start_soon(drain, worker, generate(LONG_PROMPT, 8), left)
+                    clients.start_soon(read, worker, generate(LONG_PROMPT, 8), left)
                     await wait_for("the second prefill computing", prefilling)
                     left.kill()
 
@@ -473,12 +475,6 @@ async def test_in_one_process_both_sides_forget_every_room() -> None:
     assert prefill.trace.counts["kv_sent"] == 1
     assert prefill.trace.counts["abort_applied"] + prefill.trace.counts["kv_failed"] == 1
     assert decode.trace.counts["abort_applied"] == 1
-
-
-async def drain(worker: ts.Worker, request: dict[str, Any], ctx: ts.RequestContext) -> None:
-    async with worker.generate(request, ctx) as chunks:
-        async for _ in chunks:
-            pass
 
 
 # -- behind sglang-router in PD mode -----------------------------------------------
@@ -668,6 +664,18 @@ def test_a_decode_server_refuses_a_prefill_url_that_is_not_a_prefill_server(pair
         assert result.returncode == 2, result.stderr
         assert "the prefill server is not usable" in result.stdout
         assert why in result.stdout
+
+
+def test_a_decode_server_whose_prefill_server_hangs_says_so_in_one_line() -> None:
+    """A prefill server that accepts connections and never answers: its 5 s bound, then exit 2."""
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as hanging:  # never accepts
+        url = f"http://127.0.0.1:{hanging.getsockname()[1]}"
+        result = serve_exits("--disaggregation-mode", "decode", "--prefill-url", url)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.splitlines() == [
+        f"the prefill server is not usable: {url}/capabilities did not answer in 5.0 s"
+    ]
+    assert "Traceback" not in result.stderr
 
 
 def serve_exits(*args: str) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ its own deadline, or none) and moment, under random engine timings, and
 sometimes a worker shutdown at a random moment. Each example runs in its own
 ``trio.run`` on a fresh ``MockClock``, so it is exact, independent and fast.
 
-Every example is judged against SPEC.md's lifecycle contract, from the
+Every example is judged against the lifecycle's contract, from the
 engine's trace and from what each consumer saw:
 
 - no abort is lost, and none is sent for a rid before that rid's dispatch;

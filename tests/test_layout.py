@@ -29,12 +29,14 @@ PACKAGE = Path(trio_sglang.__file__).parent
 LIFECYCLE = (
     "_capabilities",
     "_cleanup",
+    "_cleanup_group",
     "_context",
     "_disagg",
     "_engine",
     "_errors",
     "_faults",
     "_ids",
+    "_in_process_prefill",
     "_observer",
     "_outputs",
     "_policy",
@@ -102,6 +104,32 @@ def test_the_lifecycle_and_the_server_never_import_the_simulator(path: Path) -> 
         if name == "trio_sglang.sim" or name.startswith(("trio_sglang.sim.", "trio_sglang._sim"))
     )
     assert sim == [], f"{path.name} imports the simulator: {sim}"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    """No module of the package imports itself back, lazily or for type checking either."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: sorted(_imported(path) & modules.keys()) for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycle = [*trail[trail.index(name) :], name]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for imported in graph[name]:
+            visit(imported, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert len(done) == len(modules) > 40
 
 
 @pytest.mark.parametrize("mode", [None, "prefill", "decode"])

@@ -13,7 +13,7 @@ Timeline (seconds after the block is entered; the consumer first works for
 tokens at 3.5, 4.5, 5.5, 6.5 and 7.5 (the last one finishes the request).
 The consumer spends 0.8 s on each chunk, so a mid-stream cancel at 5.0 finds
 it in its own code, not inside a pull: only the worker's detached cleanup can
-stop the engine then (the trio-asyncio trap of SGLANG_FACTS.md).
+stop the engine then (a cancel between pulls never reaches SGLang's generator).
 """
 
 from __future__ import annotations

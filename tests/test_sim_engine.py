@@ -1,4 +1,4 @@
-"""The SimEngine on its own: it must reproduce SGLang 0.5.23 as SGLANG_FACTS.md describes it.
+"""The SimEngine on its own: it must reproduce SGLang 0.5.23's request and abort semantics.
 
 Each test drives ``SimEngine`` directly (no worker) on trio's ``MockClock`` and
 judges it from its trace, its registry and what the stream yields. Together

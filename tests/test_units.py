@@ -228,6 +228,24 @@ def test_format_chunk_native_remaps_the_id_on_a_copy() -> None:
     assert_no_internal_rid(chunk)
 
 
+def test_format_chunk_native_replaces_the_engine_id_in_the_engines_own_messages() -> None:
+    """An abort's reason names the request as SGLang knows it: that id is internal too."""
+    message = f"KV transfer timed out for request rank=0 req.rid='{INTERNAL_RID}'"
+    reason = {"type": "abort", "message": message, "details": [message, {"rid": INTERNAL_RID}]}
+    out = engine_output(finish_reason=reason, text=f"model text {INTERNAL_RID}")
+    before = copy.deepcopy(out)
+    chunk = format_chunk("native", out, IDS)
+    assert out == before
+    public = f"KV transfer timed out for request rank=0 req.rid='{PUBLIC_ID}'"
+    assert chunk["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": public,
+        "details": [public, {"rid": PUBLIC_ID}],
+    }
+    assert chunk["text"] == before["text"]  # what the model generated is the caller's
+    assert INTERNAL_RID not in json.dumps(chunk["meta_info"])
+
+
 def test_format_chunk_native_without_meta_info() -> None:
     out: dict[str, Any] = {"text": "x", "output_ids": [1]}
     assert format_chunk("native", out, IDS) == {**out, "meta_info": {"id": PUBLIC_ID}}

@@ -4,10 +4,11 @@ The public API lives here; the ``_modules`` behind it are private.
 """
 
 from ._context import RequestContext
-from ._disagg import InProcessPrefill, PrefillFailed, PrefillPeer, Role
+from ._disagg import PrefillFailed, PrefillPeer, Role
 from ._engine import Engine, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import EngineFault
+from ._in_process_prefill import InProcessPrefill
 from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode

@@ -1,27 +1,44 @@
 """Stopping a request at the engine once its caller has gone.
 
-Everything here runs after the caller's stream has closed, in tasks the
-worker owns; each wait is bounded by ``AbortPolicy``. The order rests on
-SGLANG_FACTS.md: closing the engine stream runs SGLang's own release path
-(an undispatched request is forgotten, a dispatched one aborted), so that
-comes first; an abort by id is the fallback, and it is never sent before the
-request is dispatched, because the scheduler would lose it and SGLang would
-then drop every later abort of that id.
+Everything here runs after the caller's stream has closed, as tasks of the
+worker's ``CleanupGroup``, each bounded by the request's cleanup deadline
+(``AbortPolicy.cleanup_timeout`` from the moment the caller left) and every
+wait inside by its own ``AbortPolicy`` bound.
+
+The order rests on how SGLang takes aborts. Closing the engine stream runs
+SGLang's own release path (an undispatched request is forgotten and never
+reaches the scheduler, a dispatched one is aborted), so that comes first.
+An abort by id is the fallback, and it is never sent before the request is
+dispatched: the scheduler matches aborts against the requests it has at
+that moment and keeps no record of the others, so an early abort is lost,
+and SGLang sends only the first abort of a request, so every later one is
+dropped too. For the same reason, once the release path has sent a
+request's abort, no second one is sent while the first is on its way (for
+example behind a long prefill forward): it would only be dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVarTuple
 
 import trio
 
+from ._cleanup_group import CleanupGroup
 from ._engine import Engine, EngineStream, RequestPhase
+from ._errors import EngineShutdown
 from ._faults import EngineFault, FaultLog
+from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 
 __all__ = ["EngineCleanup", "EngineRequest"]
+
+logger = logging.getLogger("trio_sglang")
+
+Args = TypeVarTuple("Args")
 
 
 @dataclass(eq=False, slots=True)
@@ -36,10 +53,20 @@ class EngineRequest:
     #: Engine ids first seen in outputs (``n > 1``), mapped to "finished".
     children: dict[str, bool] = field(default_factory=dict)
     #: When the caller went and the cleanup became owed (trio clock).
-    cancelled_at: float | None = None
+    left_at: float | None = None
+    #: ``left_at`` plus the policy's ``cleanup_timeout``: no cleanup task of
+    #: this request runs past it.
+    deadline: float = math.inf
+    #: Cleanup tasks at work on this request; its cleanup is over when the
+    #: last one ends.
+    working: int = 0
+    timed_out: bool = False
     #: Engine ids an ordered abort has already run for (each gets one, so a
     #: fault is retried a bounded number of times and reported once).
     abort_started: set[str] = field(default_factory=set)
+    #: Engine ids whose abort the engine's release path has already sent
+    #: (rarely any: an immutable default costs a request nothing).
+    abort_sent: frozenset[str] = frozenset()
 
     def note_child(self, out: dict[str, Any]) -> str | None:
         """Record the output's engine id; return it when seen for the first time."""
@@ -61,23 +88,140 @@ class EngineRequest:
 
 
 class EngineCleanup:
-    def __init__(self, engine: Engine, policy: AbortPolicy, faults: FaultLog) -> None:
+    """Stops requests at one engine, in tasks of the worker's ``CleanupGroup``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        policy: AbortPolicy,
+        group: CleanupGroup,
+        faults: FaultLog,
+        observer: WorkerObserver | None,
+    ) -> None:
         self._engine = engine
         self._policy = policy
+        self._group = group
         self._faults = faults
+        self._observer = observer
+        #: Requests whose cleanup is running.
+        self.pending = 0
+        #: Requests whose cleanup the worker's shutdown cut after its grace.
+        self.cut_at_close = 0
+        features = engine.features()
+        # The engine's release path aborts what was dispatched, and the engine
+        # honours one abort per request: after it, another abort is dropped.
+        self._release_aborts_once = (
+            features.get("release_on_close") is True and features.get("abort_sent_flag") is True
+        )
+
+    # -- one request's cleanup, from the caller leaving to the last task ------
+
+    def hand_over(self, request: EngineRequest, *, pull_cancelled: bool) -> None:
+        """The caller of a stream it read itself has gone: stop the request at the engine.
+
+        A cancelled pull ran the engine's release path; if the engine then
+        holds none of the request's ids, there is nothing left to await (the
+        usual case, and in a burst of cancels it spares a task per request).
+        """
+        if pull_cancelled:
+            held = request.held_by(self._engine)
+            if not held:
+                if self._observer is not None:
+                    self._observer.cleanup_finished(0.0, released=True)
+                return
+            if self._release_aborts_once:
+                request.abort_sent |= frozenset(held)  # what it still holds was dispatched
+        if not self.start(request, self.stop, request):
+            logger.warning(
+                "request %s ended after the worker closed; the engine closed with it",
+                request.public_id,
+            )
+
+    def begin(self, request: EngineRequest) -> None:
+        """One more task works on ``request``'s cleanup (owed from its first call)."""
+        if request.left_at is None:
+            request.left_at = trio.current_time()
+            request.deadline = request.left_at + self._policy.cleanup_timeout
+        if not request.working:
+            self.pending += 1
+        request.working += 1
+
+    def end(self, request: EngineRequest, *, timed_out: bool) -> None:
+        """A task ``begin`` counted has ended; after the last, say how the cleanup went."""
+        request.working -= 1
+        request.timed_out |= timed_out
+        if request.working:
+            return
+        self.pending -= 1
+        assert request.left_at is not None  # set by ``begin``
+        if self._group.cutting:
+            # One summary at worker exit, not a line per request in a burst.
+            self.cut_at_close += 1
+            logger.debug("cleanup of request %s cancelled at shutdown", request.public_id)
+        if self._observer is not None:
+            self._observer.cleanup_finished(
+                trio.current_time() - request.left_at,
+                released=not request.held_by(self._engine),
+            )
+        if request.timed_out and not self._group.cutting:
+            self._faults.report(
+                "cleanup_timeout",
+                request.public_id,
+                request.unfinished(),
+                f"the cleanup ran past {self._policy.cleanup_timeout}s; "
+                "the engine may still hold it",
+                level=logging.WARNING,
+            )
+
+    def start(
+        self,
+        request: EngineRequest,
+        work: Callable[[*Args], Awaitable[object]],
+        *args: *Args,
+    ) -> bool:
+        """Run ``work(*args)`` for ``request``'s cleanup, as a task of the group.
+
+        False if the group has closed (the worker is past its grace, and the
+        engine closes with the request).
+        """
+        self.begin(request)
+        try:
+            self._group.start_soon(self._bounded, request, work, *args)
+        except EngineShutdown:
+            self.end(request, timed_out=False)
+            return False
+        return True
+
+    async def _bounded(
+        self,
+        request: EngineRequest,
+        work: Callable[[*Args], Awaitable[object]],
+        *args: *Args,
+    ) -> None:
+        timed_out = False
+        try:
+            with trio.CancelScope(deadline=request.deadline) as scope:
+                await work(*args)
+            timed_out = scope.cancelled_caught
+        finally:
+            self.end(request, timed_out=timed_out)
+
+    # -- the steps ------------------------------------------------------------
 
     async def stop(self, request: EngineRequest) -> None:
         """Close the stream, then make sure every id the request has is gone."""
         await self._close(request)
         rids = [rid for rid in request.unfinished() if rid not in request.abort_started]
-        if len(rids) == 1:
+        for rid in rids[1:]:  # a native batch: one task per prompt, no nested nursery
+            self.start(request, self._settle, request, rid)
+        if rids:
             await self._settle(request, rids[0])
-        elif rids:
-            async with trio.open_nursery() as nursery:
-                for rid in rids:
-                    nursery.start_soon(self._settle, request, rid)
 
     async def _close(self, request: EngineRequest) -> None:
+        dispatched = []
+        if self._release_aborts_once:
+            phase = self._engine.phase
+            dispatched = [r for r in request.unfinished() if phase(r) is RequestPhase.DISPATCHED]
         # Shielded even from the worker's shutdown: a half-closed stream is
         # worse than a short, bounded wait.
         with trio.move_on_after(self._policy.close_timeout, shield=True) as scope:
@@ -91,6 +235,8 @@ class EngineCleanup:
                     "closing the engine stream raised",
                     error=exc,
                 )
+            else:
+                request.abort_sent |= frozenset(dispatched)
         if scope.cancelled_caught:
             self._faults.report(
                 "close_timeout",
@@ -101,17 +247,21 @@ class EngineCleanup:
             )
 
     async def _settle(self, request: EngineRequest, rid: str) -> None:
-        if not await self._released_in_time(rid):
-            await self.ordered_abort(request, rid)
-
-    async def _released_in_time(self, rid: str) -> bool:
-        """Whether the engine lets go of ``rid`` within ``policy.release_timeout``."""
         with trio.move_on_after(self._policy.release_timeout):
-            phase = self._engine.phase(rid)
-            while phase is not RequestPhase.ABSENT:
-                phase = await self._engine.wait_phase_change(rid, phase)
-            return True
-        return False
+            await self._released(rid)
+            return
+        if rid in request.abort_sent:
+            # Its abort is on its way (behind a forward in progress, say): a
+            # second one would be dropped. Wait on, within the cleanup's deadline.
+            await self._released(rid)
+            return
+        await self.ordered_abort(request, rid)
+
+    async def _released(self, rid: str) -> None:
+        """Return once the engine holds ``rid`` no more (unbounded: callers bound it)."""
+        phase = self._engine.phase(rid)
+        while phase is not RequestPhase.ABSENT:
+            phase = await self._engine.wait_phase_change(rid, phase)
 
     async def ordered_abort(self, request: EngineRequest, rid: str) -> None:
         """Abort ``rid`` right after its dispatch (never before), bounded, retried.
@@ -178,6 +328,7 @@ class EngineCleanup:
                 return ("abort_error", exc)
         if call.cancelled_caught:
             return ("abort_timeout", None)
-        if not await self._released_in_time(rid):
-            return ("abort_not_taken", None)
-        return None
+        with trio.move_on_after(self._policy.release_timeout):
+            await self._released(rid)
+            return None
+        return ("abort_not_taken", None)

@@ -12,9 +12,10 @@ A worker's role follows its engine's ``disaggregation_mode``:
   ``bootstrap_room`` and runs its prefill leg at the worker's ``PrefillPeer``
   beside its decode leg, both under the request's one cancel scope.
 
-Why both legs must stop together (SGLANG_FACTS, and ai-dynamo/dynamo #13691,
-#14368): aborting the prefill side does not tell the decode side, which then
-holds its KV cache waiting for the transfer until its timeout (300 s); and a
+Why both legs must stop together (SGLang's disaggregation code, and
+ai-dynamo/dynamo #13691, #14368): aborting the prefill side does not tell
+the decode side, which then holds its KV cache waiting for the transfer
+until its timeout (300 s); and a
 prefill whose client left keeps the prefill GPU busy and delays every
 request queued behind it. A prefill peer that does not advertise
 ``disagg_prefill_cancel_anytime_v1`` is not cancelled (its prefill runs to
@@ -26,26 +27,23 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import trio
 
-from ._context import RequestContext
 from ._errors import InvalidRequest
 from ._faults import FaultLog
 from ._request import ParsedRequest
 
-if TYPE_CHECKING:
-    from ._worker import Worker
-
 __all__ = [
     "CANCEL_ANYTIME",
-    "InProcessPrefill",
+    "PEER_CHECK_TIMEOUT",
     "PrefillFailed",
     "PrefillLeg",
     "PrefillPeer",
     "Role",
     "bootstrap_fields",
+    "peer_cancels_anytime",
     "role_of",
 ]
 
@@ -55,6 +53,11 @@ Role = Literal["aggregated", "prefill", "decode"]
 
 #: The capability a prefill worker advertises when a cancel stops it in any queue.
 CANCEL_ANYTIME = "disagg_prefill_cancel_anytime_v1"
+
+#: How long a decode worker waits, at start-up, for its prefill peer's capabilities.
+#: Longer than a peer's own bound (``HTTPPrefill``'s is 5 s), so that the
+#: peer's own, more precise error is the one a user sees.
+PEER_CHECK_TIMEOUT = 30.0
 
 _BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
@@ -73,7 +76,7 @@ class PrefillPeer(Protocol):
     bootstrap_port: int
 
     async def capabilities(self) -> Mapping[str, Any]:
-        """The prefill worker's ``capabilities()``."""
+        """The prefill worker's ``capabilities()``; ``PrefillFailed`` if it cannot tell."""
         ...
 
     async def prefill(self, request: Mapping[str, Any], public_id: str) -> None:
@@ -84,29 +87,26 @@ class PrefillPeer(Protocol):
         ...
 
 
-class InProcessPrefill:
-    """A prefill worker in this trio run (tests, benchmarks, one-process pairs)."""
+async def peer_cancels_anytime(peer: PrefillPeer) -> bool:
+    """Whether ``peer`` advertises that a cancel stops its prefill in any queue.
 
-    def __init__(
-        self, worker: Worker, *, bootstrap_host: str = "127.0.0.1", bootstrap_port: int = 8998
-    ) -> None:
-        self.name = f"in-process {worker.engine!r}"
-        self.bootstrap_host = bootstrap_host
-        self.bootstrap_port = bootstrap_port
-        self._worker = worker
-
-    async def capabilities(self) -> Mapping[str, Any]:
-        await trio.lowlevel.checkpoint()
-        return self._worker.capabilities()
-
-    async def prefill(self, request: Mapping[str, Any], public_id: str) -> None:
-        reason: object = None
-        ctx = RequestContext(public_id)
-        async with self._worker.generate(request, ctx, output="native") as outputs:
-            async for out in outputs:
-                reason = out["meta_info"]["finish_reason"]
-        if not isinstance(reason, dict) or reason.get("type") != "length":
-            raise PrefillFailed(f"the prefill worker ended the leg with {reason!r}")
+    ``PrefillFailed`` if it does not answer within ``PEER_CHECK_TIMEOUT``.
+    """
+    with trio.move_on_after(PEER_CHECK_TIMEOUT):
+        capabilities = await peer.capabilities()
+        features = capabilities.get("features")
+        if isinstance(features, Mapping) and features.get(CANCEL_ANYTIME) is True:
+            return True
+        logger.warning(
+            "prefill worker %s does not advertise %s: cancels are not sent to it, and the "
+            "prefill of a cancelled request runs to its end there (bounded by cleanup_timeout)",
+            peer.name,
+            CANCEL_ANYTIME,
+        )
+        return False
+    raise PrefillFailed(
+        f"{peer.name} did not answer with its capabilities in {PEER_CHECK_TIMEOUT} s"
+    )
 
 
 def role_of(features: Mapping[str, object]) -> Role:

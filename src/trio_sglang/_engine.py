@@ -1,6 +1,6 @@
 """The one small protocol through which the lifecycle knows an engine.
 
-It is shaped after what SGLang actually offers (SGLANG_FACTS.md), so that the
+It is shaped after what SGLang 0.5.23 actually offers, so that the
 real ``TokenizerManager`` and the ``SimEngine`` fit it without pretending:
 
 - ``generate`` is ``Engine.async_generate(..., stream=True)``: a lazy stream

@@ -11,10 +11,8 @@ the worker's observer, so that metrics and logs agree.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
-
-from ._observer import WorkerObserver
 
 __all__ = ["EngineFault", "FaultLog"]
 
@@ -35,8 +33,10 @@ EngineFault = Literal[
 
 
 class FaultLog:
-    def __init__(self, observer: WorkerObserver | None) -> None:
-        self._observer = observer
+    """Logs each fault, and tells ``counted`` (the worker's observer) of it."""
+
+    def __init__(self, counted: Callable[[EngineFault], None] | None = None) -> None:
+        self._counted = counted
 
     def report(
         self,
@@ -58,5 +58,5 @@ class FaultLog:
             message,
             exc_info=error,
         )
-        if self._observer is not None:
-            self._observer.engine_fault(kind)
+        if self._counted is not None:
+            self._counted(kind)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ._faults import EngineFault
+from ._faults import EngineFault
 
 __all__ = ["WorkerObserver"]
 

@@ -51,12 +51,19 @@ def format_chunk(output: OutputMode, out: dict[str, Any], ids: PublicIds) -> dic
     ``tokens`` chunks carry the child's ``index`` and no id, ``text`` chunks
     carry the request's public id and one OpenAI-style choice per child, and
     ``native`` outputs are copied with ``meta_info.id`` set to the child's
-    public id, so no engine-made id reaches the caller.
+    public id, so no engine-made id reaches the caller. The engine's own
+    messages in ``meta_info`` (an abort's reason names its ``req.rid``) get
+    the same replacement; the generated ``text`` is the model's, untouched.
     """
     meta = out.get("meta_info", {})
     index = out.get("index", 0)
     if output == "native":
-        return {**out, "meta_info": {**meta, "id": ids.child(out.get("index"))}}
+        public = ids.child(out.get("index"))
+        engine_id = meta.get("id")
+        if not isinstance(engine_id, str) or not engine_id:
+            return {**out, "meta_info": {**meta, "id": public}}
+        scrubbed = {key: _replace_id(value, engine_id, public) for key, value in meta.items()}
+        return {**out, "meta_info": {**scrubbed, "id": public}}
     finish_reason = _finish_reason(meta.get("finish_reason"))
     if output == "tokens":
         return {
@@ -69,6 +76,17 @@ def format_chunk(output: OutputMode, out: dict[str, Any], ids: PublicIds) -> dic
         "object": "text_completion",
         "choices": [{"index": index, "text": out.get("text", ""), "finish_reason": finish_reason}],
     }
+
+
+def _replace_id(value: object, engine_id: str, public: str) -> Any:
+    """``value`` with ``engine_id`` replaced by ``public`` in every string, at any depth."""
+    if isinstance(value, str):
+        return value.replace(engine_id, public) if engine_id in value else value
+    if isinstance(value, dict):
+        return {key: _replace_id(item, engine_id, public) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_replace_id(item, engine_id, public) for item in value]
+    return value
 
 
 def _finish_reason(reason: object) -> str | None:

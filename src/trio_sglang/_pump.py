@@ -1,4 +1,4 @@
-"""A task of the worker that owns the engine stream, for when the caller's task cannot.
+"""A task of the worker that reads the engine stream, for when the caller's task cannot.
 
 Two kinds of request need one:
 - parallel sampling (``n > 1``): SGLang swaps every child rid for a fresh
@@ -11,39 +11,48 @@ Two kinds of request need one:
   the generator has to keep running until the request is dispatched, and
   the abort follows the dispatch.
 
-The pump hands outputs to the caller through a zero-buffer channel (the same
-back-pressure as reading directly). When the caller goes, the pump becomes a
-cleanup task of the worker (shielded, bounded, cancelled at shutdown after
-the grace) and fails closed. If the engine's close releases every child
+The pump runs in the worker's ``CleanupGroup`` from the caller's first pull,
+and hands outputs over through a zero-buffer channel (the same back-pressure
+as reading directly). When the caller goes, it fails closed, within the
+request's cleanup deadline. If the engine's close releases every child
 (SGLang 0.5.23), its pull is cancelled at once and the stream closes:
 undispatched children never reach the scheduler. Otherwise every id known or
-seen so far is aborted as soon as it is dispatched (woken, not polled),
-every child first seen later is aborted on sight, the pump keeps reading for
-a bounded time, and closes the stream last. Either way every id the request
-had is then checked to be gone.
+seen so far is aborted as soon as it is dispatched (woken, not polled; each
+abort a task of the group), every child first seen later is aborted on
+sight, the pump keeps reading for a bounded time, and closes the stream
+last. Either way every id the request had is then checked to be gone.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+import enum
+from typing import Any
 
 import trio
 
 from ._cleanup import EngineCleanup, EngineRequest
+from ._cleanup_group import CleanupGroup
 from ._errors import EngineShutdown
 from ._policy import AbortPolicy
 
-if TYPE_CHECKING:
-    from ._worker import Worker
-
 __all__ = ["EnginePump"]
+
+
+class PumpState(enum.Enum):
+    #: Made with its stream; nothing read yet.
+    NEW = "new"
+    #: Reading, and handing every output to the caller.
+    FORWARDING = "forwarding"
+    #: The caller is gone: reading on only to stop what it finds, bounded.
+    FAILING_CLOSED = "failing closed"
+    #: Done with the engine stream.
+    DONE = "done"
 
 
 class EnginePump:
     def __init__(
         self,
-        worker: Worker,
         request: EngineRequest,
         cleanup: EngineCleanup,
         policy: AbortPolicy,
@@ -51,20 +60,22 @@ class EnginePump:
         release_on_close: bool,
         children_unknown: bool,
     ) -> None:
-        self._worker = worker
         self._request = request
         self._cleanup = cleanup
         self._policy = policy
         self._release_on_close = release_on_close
         self._children_unknown = children_unknown
         self._send, self._receive = trio.open_memory_channel[dict[str, Any]](0)
-        self._scope = trio.CancelScope()  # becomes a cleanup scope when the caller goes
+        # Unbounded while the caller reads; from its leaving, bounded by the
+        # watch below and the request's cleanup deadline.
         self._pull_scope = trio.CancelScope()
-        self._aborts: trio.Nursery | None = None
         self._error: Exception | None = None
-        self._consumer_gone = False
-        self._reading = True
-        self._cleaning = False
+        self._state = PumpState.NEW
+
+    def start(self, group: CleanupGroup) -> None:
+        """Start reading, in a task of ``group`` (the caller's first pull)."""
+        group.start_soon(self._run)
+        self._state = PumpState.FORWARDING
 
     async def receive(self) -> dict[str, Any]:
         """The caller's pull: the next output, or the engine's error, or the end."""
@@ -77,76 +88,71 @@ class EnginePump:
 
     def consumer_left(self) -> None:
         """Called in the caller's task as its stream closes, for any reason."""
-        self._consumer_gone = True
         self._receive.close()
-        if not self._reading:
+        if self._state is PumpState.NEW:
+            self._state = PumpState.DONE  # never started: nothing reached the engine
+        if self._state is not PumpState.FORWARDING:
             return
-        self._become_cleanup()
-        if self._aborts is None:
-            return  # the pump has not started reading, and now never will
+        self._fail_closed()
         if self._release_on_close:
             self._pull_scope.cancel()  # the engine's release path stops every child
             return
         for rid in self._request.unfinished():
-            self._abort_when_dispatched(rid)
+            self._cleanup.start(self._request, self._cleanup.ordered_abort, self._request, rid)
         watch = self._policy.dispatch_timeout + self._policy.release_timeout
         if self._children_unknown:
             watch = self._policy.child_watch_timeout
         self._pull_scope.deadline = min(self._pull_scope.deadline, trio.current_time() + watch)
 
-    async def run(self) -> None:
-        ended = False
-        with self._scope:
-            try:
-                async with trio.open_nursery() as self._aborts:
-                    ended = await self._read()
-                    self._reading = False
-                    if not ended:
-                        self._become_cleanup()
-                        await self._cleanup.stop(self._request)
-            finally:
-                self._reading = False
-                if self._cleaning:
-                    self._worker._end_cleanup(self._scope, self._request)
-        if self._cleaning and self._scope.cancelled_caught:
-            self._worker._log_unfinished_cleanup(self._request, self._scope)
+    def _fail_closed(self) -> None:
+        self._state = PumpState.FAILING_CLOSED
+        self._cleanup.begin(self._request)
+        self._pull_scope.deadline = min(self._pull_scope.deadline, self._request.deadline)
 
-    def _become_cleanup(self) -> None:
-        if not self._cleaning:
-            self._cleaning = True
-            self._worker._begin_cleanup(self._request)
-            self._worker._guard_cleanup(self._scope)
-
-    def _abort_when_dispatched(self, rid: str) -> None:
-        assert self._aborts is not None  # only called while reading, inside the nursery
-        self._aborts.start_soon(self._cleanup.ordered_abort, self._request, rid)
+    async def _run(self) -> None:
+        timed_out = False
+        try:
+            if not await self._read():
+                if self._state is PumpState.FORWARDING:
+                    self._fail_closed()  # the engine failed: the caller gets its error
+                with trio.move_on_at(self._request.deadline) as scope:
+                    await self._cleanup.stop(self._request)
+                timed_out = scope.cancelled_caught
+            # Reading ran into the cleanup's deadline (a watch longer than cleanup_timeout).
+            timed_out |= trio.current_time() >= self._request.deadline
+        finally:
+            if self._state is PumpState.FAILING_CLOSED:
+                self._cleanup.end(self._request, timed_out=timed_out)
+            self._state = PumpState.DONE
 
     async def _read(self) -> bool:
         """Read until the engine stream ends (True), or stop early (False)."""
         request = self._request
         try:
             with self._pull_scope:
-                if self._consumer_gone:
-                    return False  # gone before the first pull: nothing started
+                if self._state is not PumpState.FORWARDING:
+                    return False  # the caller left before the first pull: nothing started
                 async for out in request.stream:
                     child = request.note_child(out) if self._children_unknown else None
-                    if not self._consumer_gone:
+                    if self._state is PumpState.FORWARDING:
                         # BrokenResourceError: the caller left during the hand-over.
                         with contextlib.suppress(trio.BrokenResourceError):
                             await self._send.send(out)
                     elif child is not None and not request.children[child]:
-                        self._abort_when_dispatched(child)  # first seen after the cancel
-                # Before the channel closes: a caller that sees the end now
-                # must not count it as leaving early.
-                self._reading = False
+                        # First seen after the cancel.
+                        self._cleanup.start(request, self._cleanup.ordered_abort, request, child)
+                if self._state is PumpState.FORWARDING:
+                    # Before the channel closes: a caller that sees the end
+                    # now must not count it as leaving early.
+                    self._state = PumpState.DONE
                 return True
         # Set before the channel closes, so that the caller raises it.
         except Exception as exc:
             self._error = exc
         except BaseException:
-            # Cancelled from outside the worker: a caller still reading must
-            # not see its stream end as if normally.
-            if not self._consumer_gone:
+            # Cut by the worker's shutdown: a caller still reading must not
+            # see its stream end as if normally.
+            if self._state is PumpState.FORWARDING:
                 self._error = EngineShutdown("the worker's tasks were cancelled")
             raise
         finally:

@@ -280,7 +280,7 @@ def _note_chunk(seen: Observation, chunk: dict[str, Any], output: OutputMode) ->
 
 
 async def _run_trap(engine: Engine, scenario: Scenario, seen: Observation) -> None:
-    """The abort traps of SGLANG_FACTS.md, driven by hand (no lifecycle).
+    """SGLang's abort traps (an early abort lost, a repeated one dropped), driven by hand.
 
     ``no_bootstrap_room`` sends the request as it is (without one) to a
     disaggregated engine, which the worker would refuse: SGLang's scheduler
