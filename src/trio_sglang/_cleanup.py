@@ -154,7 +154,8 @@ class EngineCleanup:
             return
         self.pending -= 1
         assert request.left_at is not None  # set by ``begin``
-        if self._group.cutting:
+        cut = self._group.cutting
+        if cut:
             # One summary at worker exit, not a line per request in a burst.
             self.cut_at_close += 1
             logger.debug("cleanup of request %s cancelled at shutdown", request.public_id)
@@ -163,7 +164,7 @@ class EngineCleanup:
                 trio.current_time() - request.left_at,
                 released=not request.held_by(self._engine),
             )
-        if request.timed_out and not self._group.cutting:
+        if request.timed_out and not cut:
             self._faults.report(
                 "cleanup_timeout",
                 request.public_id,

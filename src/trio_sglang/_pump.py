@@ -50,6 +50,11 @@ class PumpState(enum.Enum):
     DONE = "done"
 
 
+# Read once per output: globals, not enum lookups (see _worker.py).
+_NEW, _FORWARDING = PumpState.NEW, PumpState.FORWARDING
+_FAILING_CLOSED, _DONE = PumpState.FAILING_CLOSED, PumpState.DONE
+
+
 class EnginePump:
     def __init__(
         self,
@@ -70,12 +75,12 @@ class EnginePump:
         # watch below and the request's cleanup deadline.
         self._pull_scope = trio.CancelScope()
         self._error: Exception | None = None
-        self._state = PumpState.NEW
+        self._state = _NEW
 
     def start(self, group: CleanupGroup) -> None:
         """Start reading, in a task of ``group`` (the caller's first pull)."""
         group.start_soon(self._run)
-        self._state = PumpState.FORWARDING
+        self._state = _FORWARDING
 
     async def receive(self) -> dict[str, Any]:
         """The caller's pull: the next output, or the engine's error, or the end."""
@@ -89,9 +94,9 @@ class EnginePump:
     def consumer_left(self) -> None:
         """Called in the caller's task as its stream closes, for any reason."""
         self._receive.close()
-        if self._state is PumpState.NEW:
-            self._state = PumpState.DONE  # never started: nothing reached the engine
-        if self._state is not PumpState.FORWARDING:
+        if self._state is _NEW:
+            self._state = _DONE  # never started: nothing reached the engine
+        if self._state is not _FORWARDING:
             return
         self._fail_closed()
         if self._release_on_close:
@@ -105,7 +110,7 @@ class EnginePump:
         self._pull_scope.deadline = min(self._pull_scope.deadline, trio.current_time() + watch)
 
     def _fail_closed(self) -> None:
-        self._state = PumpState.FAILING_CLOSED
+        self._state = _FAILING_CLOSED
         self._cleanup.begin(self._request)
         self._pull_scope.deadline = min(self._pull_scope.deadline, self._request.deadline)
 
@@ -113,7 +118,7 @@ class EnginePump:
         timed_out = False
         try:
             if not await self._read():
-                if self._state is PumpState.FORWARDING:
+                if self._state is _FORWARDING:
                     self._fail_closed()  # the engine failed: the caller gets its error
                 with trio.move_on_at(self._request.deadline) as scope:
                     await self._cleanup.stop(self._request)
@@ -121,30 +126,30 @@ class EnginePump:
             # Reading ran into the cleanup's deadline (a watch longer than cleanup_timeout).
             timed_out |= trio.current_time() >= self._request.deadline
         finally:
-            if self._state is PumpState.FAILING_CLOSED:
+            if self._state is _FAILING_CLOSED:
                 self._cleanup.end(self._request, timed_out=timed_out)
-            self._state = PumpState.DONE
+            self._state = _DONE
 
     async def _read(self) -> bool:
         """Read until the engine stream ends (True), or stop early (False)."""
         request = self._request
         try:
             with self._pull_scope:
-                if self._state is not PumpState.FORWARDING:
+                if self._state is not _FORWARDING:
                     return False  # the caller left before the first pull: nothing started
                 async for out in request.stream:
                     child = request.note_child(out) if self._children_unknown else None
-                    if self._state is PumpState.FORWARDING:
+                    if self._state is _FORWARDING:
                         # BrokenResourceError: the caller left during the hand-over.
                         with contextlib.suppress(trio.BrokenResourceError):
                             await self._send.send(out)
                     elif child is not None and not request.children[child]:
                         # First seen after the cancel.
                         self._cleanup.start(request, self._cleanup.ordered_abort, request, child)
-                if self._state is PumpState.FORWARDING:
+                if self._state is _FORWARDING:
                     # Before the channel closes: a caller that sees the end
                     # now must not count it as leaving early.
-                    self._state = PumpState.DONE
+                    self._state = _DONE
                 return True
         # Set before the channel closes, so that the caller raises it.
         except Exception as exc:
@@ -152,7 +157,7 @@ class EnginePump:
         except BaseException:
             # Cut by the worker's shutdown: a caller still reading must not
             # see its stream end as if normally.
-            if self._state is PumpState.FORWARDING:
+            if self._state is _FORWARDING:
                 self._error = EngineShutdown("the worker's tasks were cancelled")
             raise
         finally:
