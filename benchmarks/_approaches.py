@@ -8,7 +8,7 @@ callback would. What differs is what happens at the engine afterwards:
   ``worker.generate``), cancelled with ``ctx.kill()``.
 - ``first-response``: the old Dynamo worker. The engine id is only learned
   from the stream's first output, so no abort is ever sent before it.
-- ``poll-then-abort``: a model of Dynamo 1.6 (SGLANG_FACTS.md): poll the
+- ``poll-then-abort``: a model of Dynamo 1.6's SGLang worker: poll the
   registry with a growing backoff, wait a bounded time for dispatch, abort,
   and retry the same rid when dispatch was not seen.
 

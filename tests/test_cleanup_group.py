@@ -16,20 +16,20 @@ import trio_sglang as ts
 from trio_sglang._cleanup_group import open_cleanup_group
 
 
+async def sleep_then_note(seconds: float, ended: list[float]) -> None:
+    await trio.sleep(seconds)
+    ended.append(trio.current_time())
+
+
 async def test_tasks_run_and_the_group_says_when_nothing_is_pending(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     ended: list[float] = []
-
-    async def work(seconds: float) -> None:
-        await trio.sleep(seconds)
-        ended.append(trio.current_time())
-
     async with open_cleanup_group() as group:
         await group.wait_idle()  # at once: nothing started
         assert trio.current_time() == 0
-        group.start_soon(work, 2.0)
-        group.start_soon(work, 1.0)
+        group.start_soon(sleep_then_note, 2.0, ended)
+        group.start_soon(sleep_then_note, 1.0, ended)
         assert group.pending == 2  # counted from the start, before the tasks run
         await group.wait_idle()
         assert trio.current_time() == 2.0
@@ -67,20 +67,15 @@ async def test_work_handed_over_during_the_grace_still_runs_and_a_closed_group_r
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     ended: list[float] = []
-
-    async def work(seconds: float) -> None:
-        await trio.sleep(seconds)
-        ended.append(trio.current_time())
-
     async with open_cleanup_group() as group:
-        group.start_soon(work, 1.0)
+        group.start_soon(sleep_then_note, 1.0, ended)
         group.close(2.0)
-        group.start_soon(work, 1.5)  # during the grace: runs, within the same deadline
-        group.start_soon(work, 5.0)  # cut at 2.0
+        group.start_soon(sleep_then_note, 1.5, ended)  # during the grace: runs, same deadline
+        group.start_soon(sleep_then_note, 5.0, ended)  # cut at 2.0
     assert ended == [1.0, 1.5]
     assert trio.current_time() == 2.0
     with pytest.raises(ts.EngineShutdown):
-        group.start_soon(work, 1.0)
+        group.start_soon(sleep_then_note, 1.0, ended)
 
 
 async def test_leaving_the_block_without_close_gives_no_grace(
