@@ -221,3 +221,53 @@ async def test_cancel_matrix(
     check_public_ids(seen, output, rids)
     expected_chunks = {"mid_stream": 2, "after_finish": 5}.get(phase, 0)
     assert len(seen.chunks) == expected_chunks
+
+
+# -- a scope inside the block cancels a pull, and the block stays open ----------------
+
+#: Request shapes, and whether the engine's close releases them; each takes another path
+#: (the caller's own pull, or the worker's reader) through the lifecycle.
+PULL_PATHS: dict[str, tuple[dict[str, Any], bool]] = {
+    "one prompt": ({}, True),
+    "native batch": ({"text": ["once upon", "a time"]}, True),
+    "parallel sampling": ({"sampling_params": {"max_new_tokens": 5, "n": 2}}, True),
+    "no release on close": ({}, False),
+}
+#: With ``slow_sim``: registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ...
+PULL_CANCELS = {"tokenizing": 1.0, "before the first token": 2.0, "mid-stream": 3.0}
+
+
+@pytest.mark.parametrize("moment", PULL_CANCELS, ids=str)
+@pytest.mark.parametrize("path", PULL_PATHS, ids=str)
+async def test_a_pull_cancelled_inside_the_block_stops_the_engine_then_not_at_block_exit(
+    path: str, moment: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A timeout around the ``async for``, and the block goes on: the engine stops at the timeout.
+
+    The stream cannot resume after a cancelled pull, so its cleanup starts at
+    that moment, whoever reads the engine stream; it does not wait for the
+    block to end, which may be much later.
+    """
+    fields, release = PULL_PATHS[path]
+    cancel_at = PULL_CANCELS[moment]
+    engine = slow_sim(release_on_close=release)
+    request = {"text": "tell me a story", "sampling_params": {"max_new_tokens": 5}, **fields}
+    async with (
+        ts.open_worker(engine) as worker,
+        worker.generate(request, ts.RequestContext("timed-out"), output="tokens") as chunks,
+    ):
+        with trio.move_on_at(cancel_at):
+            async for _ in chunks:
+                pass
+        assert chunks.closed
+        # An engine that cannot release waits for the dispatch (1.5), then aborts.
+        stop_at = cancel_at if release else max(cancel_at, 1.5)
+        await trio.sleep_until(stop_at)
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.live_rids() == set()  # stopped while the block is still open
+        assert trio.current_time() == stop_at
+        await trio.sleep(10)
+    # What the cancel ended (n > 1 releases SGLang's rid_i placeholders earlier, by itself).
+    ended = [e for e in engine.trace if e.kind in ("released", "abort_applied")]
+    assert {e.time for e in ended if e.time >= cancel_at} == {stop_at}
+    assert [e for e in engine.trace if e.kind == "token" and e.time > cancel_at] == []
