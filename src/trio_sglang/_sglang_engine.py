@@ -14,7 +14,8 @@ lifecycle, given how SGLang's TokenizerManager holds and releases requests:
 - ``aclose`` closes the generator explicitly, because a generator parked at
   its ``yield`` is otherwise finalised only by the garbage collector;
 - ``phase`` reads ``rid_to_state`` and the dispatch mark; there is no event to
-  wait on, so ``wait_phase_change`` polls at a short fixed interval;
+  wait on, so one ``PhasePoller`` task per engine looks, at a short fixed
+  interval, at every rid somebody waits on (and ticks only while somebody does);
 - outputs are made incremental whatever ``incremental_streaming_output`` says.
 
 Where the runtime lacks the registry, the lifecycle falls back to the ids the
@@ -32,6 +33,7 @@ from typing import Any
 import trio
 
 from ._engine import RequestPhase
+from ._phase_poller import PhasePoller
 
 __all__ = ["SGLangEngine"]
 
@@ -57,8 +59,8 @@ class SGLangEngine:
     the GPU-free harness does), or SGLang server arguments
     (``model_path=...``), in which case ``running()`` launches an
     ``sglang.Engine`` (blocking while the model loads) and shuts it down at
-    the end. ``poll_interval`` (seconds) is how often ``wait_phase_change``
-    looks at the registry.
+    the end. ``poll_interval`` (seconds) is how often the engine looks at the
+    registry for the requests that ``wait_phase_change`` callers wait on.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class SGLangEngine:
         self._engine = engine
         self._tm = tokenizer_manager if tokenizer_manager is not None else None
         self._server_args = server_args
-        self._poll_interval = float(poll_interval)
+        self._poller = PhasePoller(self.phase, float(poll_interval))
         self._running = False
         #: rid -> phase, from what the streams saw (only used without a registry).
         self._seen: dict[str, RequestPhase] = {}
@@ -106,8 +108,12 @@ class SGLangEngine:
             self._tm = self._engine.tokenizer_manager
         self._running = True
         try:
-            async with trio_asyncio.open_loop():
-                yield
+            async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+                nursery.start_soon(self._poller.run)
+                try:
+                    yield
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
             self._running = False
             if launched:
@@ -151,11 +157,11 @@ class SGLangEngine:
         return RequestPhase.DISPATCHED if dispatched else RequestPhase.REGISTERED
 
     async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
-        # The registry lives on the asyncio side and announces nothing: poll,
-        # at a fixed short interval (no backoff), until the phase changes.
-        while (current := self.phase(rid)) is phase:  # noqa: ASYNC110
-            await trio.sleep(self._poll_interval)
-        return current
+        # The registry lives on the asyncio side and announces nothing: the
+        # engine's one poller looks at it for every waiter (no backoff).
+        if not self._running:
+            raise RuntimeError("the SGLang engine is not running")
+        return await self._poller.wait_change(rid, phase)
 
     async def abort(self, rid: str) -> None:
         # A synchronous send on SGLang's socket to the scheduler.
