@@ -70,17 +70,18 @@ async def test_a_signal_ends_open_streams_then_the_server(signum: signal.Signals
     assert f"received {signum.name}" in log.decode()
 
 
-async def test_the_readme_curl_and_openai_examples_work() -> None:
+async def test_the_serving_page_curl_and_openai_examples_work() -> None:
     proc, url, _ = await start()
     try:
         readme_url = "http://127.0.0.1:8000"
-        curl = readme_block("bash", "curl ").replace(readme_url, url)
+        curl = readme_block("bash", "curl ", "docs/serving.md").replace(readme_url, url)
         result = await trio.run_process(["bash", "-c", curl], capture_stdout=True)
         events = [line for line in result.stdout.decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         assert len(events) == 9  # eight tokens, then [DONE]
 
-        sdk = readme_block("python", "from openai import OpenAI").replace(readme_url, url)
+        sdk = readme_block("python", "from openai import OpenAI", "docs/serving.md")
+        sdk = sdk.replace(readme_url, url)
         result = await trio.run_process(
             [sys.executable, "-c", sdk], capture_stdout=True, capture_stderr=True
         )
@@ -89,3 +90,23 @@ async def test_the_readme_curl_and_openai_examples_work() -> None:
         proc.send_signal(signal.SIGINT)
         with trio.fail_after(10):
             await proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "role"),
+    [
+        ([], "aggregated"),
+        (["--disaggregation-mode", "prefill"], "prefill"),
+        (["--disaggregation-mode", "decode"], "decode"),
+    ],
+)
+async def test_the_start_up_line_names_the_role_the_engine_and_the_address(
+    args: list[str], role: str
+) -> None:
+    """A prefill server and its decode server log lines one tells apart."""
+    proc, url, log = await start(*args)
+    proc.send_signal(signal.SIGINT)
+    with trio.fail_after(10):
+        assert await proc.wait() == 0
+    [line] = [line for line in log.decode().splitlines() if "serving " in line]
+    assert line.endswith(f"serving trio-sglang-sim on {url} (role {role}, engine sim)")

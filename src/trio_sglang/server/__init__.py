@@ -13,6 +13,7 @@ SimEngine reaches them with ``open_http_kv_rooms()``.
 """
 
 from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
+from ._http import ListenError
 from ._kv_rooms import HTTPKVRooms, open_http_kv_rooms
 from ._metrics import ServerMetrics
 from ._prefill_peer import HTTPPrefill
@@ -22,6 +23,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "HTTPKVRooms",
     "HTTPPrefill",
+    "ListenError",
     "ServerApp",
     "ServerMetrics",
     "open_http_kv_rooms",

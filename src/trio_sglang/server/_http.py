@@ -22,9 +22,13 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from ._app import ServerApp
 
-__all__ = ["serve_http"]
+__all__ = ["ListenError", "serve_http"]
 
 logger = logging.getLogger("trio_sglang.server")
+
+
+class ListenError(OSError):
+    """The server could not listen where it was told (a port in use, an address not here)."""
 
 
 async def serve_http(
@@ -37,7 +41,11 @@ async def serve_http(
     """Serve ``app`` until ``shutdown`` is set; report the URLs once listening."""
     wrapped = wrap_app(cast("ASGIFramework", app), config.wsgi_max_body_size, "asgi")
     context = WorkerContext(None)
-    sockets = config.create_sockets()
+    try:
+        sockets = config.create_sockets()  # binds
+    except OSError as exc:
+        where = ", ".join(config.bind)
+        raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}") from exc
     listeners = []
     urls = []
     for sock in sockets.insecure_sockets:

@@ -20,7 +20,7 @@ from .._disagg import PrefillPeer
 from .._engine import Engine
 from .._kv_rooms import HostedKVRooms
 from .._policy import AbortPolicy
-from .._worker import open_worker
+from .._worker import Worker, open_worker
 from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from ._http import serve_http
 from ._metrics import ServerMetrics
@@ -80,9 +80,17 @@ async def serve(
             if handle_signals:
                 nursery.start_soon(_signals_set, shutdown)
             urls: list[str] = await nursery.start(http)
-            logger.info("serving %s on %s", model, ", ".join(urls))
+            # The URL right after "on", where scripts look for it (the tests'
+            # and the load benchmark's `serving \S+ on (http://\S+)`).
+            logger.info("serving %s on %s (%s)", model, ", ".join(urls), _describe(worker))
             task_status.started(urls)
         logger.info("HTTP server stopped; finishing engine-side cleanup")
+
+
+def _describe(worker: Worker) -> str:
+    """``role prefill, engine sim``: what this server is, for its start-up line."""
+    capabilities = worker.capabilities()
+    return f"role {capabilities['role']}, engine {capabilities['engine']['kind']}"
 
 
 async def _signals_set(event: trio.Event) -> None:
