@@ -245,11 +245,11 @@ async def test_a_stream_that_fails_over_http_ends_with_a_502_event_not_a_500(
     assert 'trio_sglang_requests_total{endpoint="/generate",outcome="failed"} 1.0' in metrics
 
 
-async def test_the_readme_example_injects_what_it_says(
+async def test_the_embedding_page_fault_example_injects_what_it_says(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     namespace: dict[str, Any] = {}
-    exec(readme_block("python", "FaultyEngine("), namespace)
+    exec(readme_block("python", "FaultyEngine(", "docs/embedding.md"), namespace)
     engine: FaultyEngine = namespace["engine"]
     async with ts.open_worker(engine, policy=POLICY) as worker:
         poison = {"text": "poison", "sampling_params": {"max_new_tokens": 50}}
