@@ -7,6 +7,8 @@ what a user gets; arguments after ``--`` are passed through.
 
 from __future__ import annotations
 
+import time
+
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
@@ -83,22 +85,32 @@ def serve(session: nox.Session) -> None:
     session.run("trio-sglang", "serve", *session.posargs)
 
 
-#: The options of ``cancel_latency.py`` that ``disagg_cancel.py`` takes too, with one meaning.
-SHARED_BENCH_FLAGS = frozenset({"--quick", "-h", "--help"})
+#: The options of ``cancel_latency.py`` that ``disagg_cancel.py`` takes too, with one meaning
+#: (``--full`` is ``disagg_cancel.py``'s default size).
+SHARED_BENCH_FLAGS = frozenset({"--quick", "--full", "-h", "--help"})
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Cancel latency, then cancels on a prefill/decode pair (``-- --quick``: both subsets).
+    """The main job: cancel latency (about 2 min), then a prefill/decode pair (about 50 s).
 
-    Arguments after ``--`` go to ``cancel_latency.py``; ``disagg_cancel.py``
-    gets only those it shares (``--quick``, ``--help``). Its own options
-    (``--json``, ``--requests``, ...): run it directly.
+    ``-- --quick``: both subsets (CI, under a minute); ``-- --full``: the whole
+    sweep. Both write into one new folder, ``bench-results/<UTC time>/``
+    (``-- --out DIR`` to choose it): results.json, latency.png, summary.md and
+    disagg.json. Other arguments after ``--`` go to ``cancel_latency.py`` only;
+    ``disagg_cancel.py``'s own options (``--requests``, ...): run it directly.
     """
     install(session, "bench")
-    session.run("python", "benchmarks/cancel_latency.py", *session.posargs)
-    shared = [arg for arg in session.posargs if arg in SHARED_BENCH_FLAGS]
-    session.run("python", "benchmarks/disagg_cancel.py", *shared)
+    args = list(session.posargs)
+    given = [i for i, arg in enumerate(args) if arg == "--out" or arg.startswith("--out=")]
+    if given:
+        out = args[given[-1] : given[-1] + (2 if args[given[-1]] == "--out" else 1)]
+    else:
+        out = ["--out", f"bench-results/{time.strftime('%Y-%m-%dT%H-%M-%SZ', time.gmtime())}"]
+        args += out
+    session.run("python", "benchmarks/cancel_latency.py", *args)
+    shared = [arg for arg in args if arg in SHARED_BENCH_FLAGS]
+    session.run("python", "benchmarks/disagg_cancel.py", *shared, *out)
 
 
 @nox.session
@@ -110,6 +122,8 @@ def load(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job for now: stream and cancel requests on the embedded SimEngine."""
+    """
+    Stream, stop and kill three requests on the embedded SimEngine and show what reached the engine.
+    """
     install(session)
     session.run("trio-sglang", "demo", *session.posargs)

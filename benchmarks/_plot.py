@@ -1,8 +1,9 @@
-"""The PNG: latency distributions per approach, phase and concurrency, on a log scale.
+"""The PNG: latency distributions per approach, phase and concurrency, on a log scale
+(the at-once bursts on a linear one, from 0).
 
-matplotlib is imported only here and only when a plot is asked for, so the
-benchmark itself needs nothing beyond the package (``pip install -e .[bench]``
-brings matplotlib).
+matplotlib is imported only here, so the benchmark itself needs nothing
+beyond the package: without it a run says so in one line and writes no PNG
+(``pip install -e .[bench]`` brings matplotlib).
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ from typing import Any
 
 from _metrics import CellResult
 
-__all__ = ["MissingPlotDependency", "plot", "require_matplotlib"]
+__all__ = ["MissingPlotDependency", "figure", "plot", "require_matplotlib"]
 
 #: Samples below this are drawn at it: a log axis has no zero (a request the
 #: engine never held has an abort delay of exactly 0).
 FLOOR_MS = 1e-3
 COLORS = {"trio-sglang": "#1b9e77", "first-response": "#d95f02", "poll-then-abort": "#7570b3"}
+#: (samples, title, target in ms, y-axis label)
 PANELS = (
-    ("stream_close_ms", "caller's stream closed after the cancel", 1.0),
-    ("abort_delay_ms", "engine let go, after max(cancel, dispatch)", 2.0),
+    ("stream_close_ms", "caller's stream closed after the cancel", 1.0, "stream closed"),
+    ("abort_delay_ms", "engine let go, after max(cancel, dispatch)", 2.0, "engine let go"),
 )
 #: The at-once scenario's target is "all stopped within 1 s", for both panels.
 AT_ONCE_TARGET_MS = 1000.0
 
 
 class MissingPlotDependency(RuntimeError):
-    """``--plot`` needs matplotlib, which the ``bench`` extra installs."""
+    """The PNG needs matplotlib, which the ``bench`` extra installs."""
 
 
 def require_matplotlib() -> Any:
@@ -41,13 +43,22 @@ def require_matplotlib() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise MissingPlotDependency(
-            "--plot needs matplotlib: install the bench extra (pip install -e '.[bench]', "
-            "or run it as 'nox -s bench -- --plot PATH')"
+            "the PNG needs matplotlib: install the bench extra (pip install -e '.[bench]'), "
+            "or run it as 'nox -s bench'"
         ) from exc
     return plt
 
 
 def plot(cells: Sequence[CellResult], path: Path) -> None:
+    plt = require_matplotlib()
+    fig = figure(cells)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def figure(cells: Sequence[CellResult]) -> Any:
+    """The matplotlib figure: a row per phase, a panel per measure."""
     plt = require_matplotlib()
     phases = list(dict.fromkeys(cell.phase for cell in cells))
     approaches = [name for name in COLORS if any(cell.approach == name for cell in cells)]
@@ -56,19 +67,20 @@ def plot(cells: Sequence[CellResult], path: Path) -> None:
     )
     for row, phase in enumerate(phases):
         in_phase = [cell for cell in cells if cell.phase == phase]
-        for column, (samples, title, target) in enumerate(PANELS):
+        burst = phase.startswith("at_once")
+        for column, (samples, title, target, label) in enumerate(PANELS):
             ax = axes[row][column]
-            _panel(ax, in_phase, approaches, samples)
-            if phase.startswith("at_once"):
-                target = AT_ONCE_TARGET_MS
-            ax.axhline(target, color="red", linestyle="--", linewidth=0.8)
+            _panel(ax, in_phase, approaches, samples, linear=burst)
+            ax.axhline(AT_ONCE_TARGET_MS if burst else target, color="red", ls="--", lw=0.8)
             ax.set_title(f"{phase}: {title}", fontsize=10)
-            ax.set_ylabel("ms (log)")
+            # Each panel names its own measure; the burst's are linear, from 0, so that
+            # their ticks can be read (a log axis spanning under a decade labels one).
+            ax.set_ylabel(f"{label}, ms after the cancel" if burst else f"{label}, ms (log)")
     handles = [
         plt.Rectangle((0, 0), 1, 1, color=COLORS[name], alpha=0.6, label=name)
         for name in approaches
     ]
-    handles.append(plt.Line2D([], [], color="red", linestyle="--", label="SPEC target"))
+    handles.append(plt.Line2D([], [], color="red", linestyle="--", label="target"))
     fig.suptitle(
         "Cancel latency on SimEngine, real time. Boxes p25-p75, whiskers p1-p99, x = max; "
         f"0 ms is drawn at {FLOOR_MS:g} ms; 'never' = still held by the engine at the end",
@@ -79,19 +91,19 @@ def plot(cells: Sequence[CellResult], path: Path) -> None:
     top = 1 - 0.9 / fig.get_figheight()  # room for the title and the legend, in inches
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, top), ncol=len(handles))
     fig.tight_layout(rect=(0, 0, 1, top))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
 
 
-def _panel(ax: Any, cells: Sequence[CellResult], approaches: Sequence[str], samples: str) -> None:
+def _panel(
+    ax: Any, cells: Sequence[CellResult], approaches: Sequence[str], samples: str, *, linear: bool
+) -> None:
     from matplotlib import ticker
 
     sizes = sorted({cell.concurrency for cell in cells})
     width = 0.8 / max(1, len(approaches))
-    ax.set_yscale("log")
-    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
-    ax.yaxis.set_major_formatter(plain)
+    if not linear:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     for group, size in enumerate(sizes):
         for slot, name in enumerate(approaches):
             found = [c for c in cells if c.concurrency == size and c.approach == name]
@@ -99,10 +111,16 @@ def _panel(ax: Any, cells: Sequence[CellResult], approaches: Sequence[str], samp
                 continue
             x = group + (slot - (len(approaches) - 1) / 2) * width
             _box(ax, x, width, getattr(found[0], samples), COLORS[name])
-    low, high = ax.get_ylim()
-    # Within a decade or so a log axis has one labelled tick or none: label 2 and 5 too.
-    some = ticker.FuncFormatter(lambda value, _: f"{value:g}" if _mantissa(value) in (2, 5) else "")
-    ax.yaxis.set_minor_formatter(some if high / low < 30 else ticker.NullFormatter())
+    if linear:
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_locator(ticker.MaxNLocator(6))
+    else:
+        low, high = ax.get_ylim()
+        # Within a decade or so a log axis has one labelled tick or none: label 2 and 5 too.
+        some = ticker.FuncFormatter(
+            lambda value, _: f"{value:g}" if _mantissa(value) in (2, 5) else ""
+        )
+        ax.yaxis.set_minor_formatter(some if high / low < 30 else ticker.NullFormatter())
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels([f"{size:,} stream{'s' if size > 1 else ''}" for size in sizes])
     ax.set_xlim(-0.5, len(sizes) - 0.5)

@@ -1,18 +1,48 @@
-"""What a person reads: the progress line while it runs, the tables, the SPEC targets, the JSON."""
+"""What a person reads and keeps: the progress bar, the tables, the targets, the files.
+
+stdout opens with what a person wants first: trio-sglang against the two
+baselines as ratios measured in the same run, then the targets with their
+verdicts (``_verdict.py``), then the detail tables. Every table fits in 100
+columns. Each run also writes its own folder (``results_folder``):
+``results.json``, ``latency.png`` and ``summary.md``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
+import textwrap
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from _metrics import CellResult, Stats, percentiles
+from _metrics import CellResult, percentiles
+from _verdict import MachineState, Target, fmt_ms, judge_machine, targets
 
-__all__ = ["Progress", "Report", "Target", "format_report", "targets", "write_json"]
+__all__ = [
+    "WIDTH",
+    "Progress",
+    "Report",
+    "Target",
+    "add_file_options",
+    "format_report",
+    "markdown_table",
+    "results_folder",
+    "summary_markdown",
+    "table",
+    "wrap",
+    "write_json",
+]
+
+#: The widest line a table or a paragraph on stdout may have.
+WIDTH = 100
+#: Where a run's folder goes, under the current directory: ``bench-results/<UTC time>/``.
+RESULTS_ROOT = Path("bench-results")
+STAMP = "%Y-%m-%dT%H-%M-%SZ"
 
 
 class Progress:
@@ -63,16 +93,33 @@ class Report:
     throughput: dict[str, Any] | None = None
     memory: dict[str, Any] | None = None
     shutdown: dict[str, Any] | None = None
-    #: The machine's 1-minute load average before and after the run: above ~1 on
-    #: 2 cores, something else competed for the CPU and tails are inflated.
+    #: The machine's 1-minute load average before and after the run.
     load_average: tuple[float, float] = (0.0, 0.0)
+    #: The cores this process may run on.
+    cores: int = 1
+    #: This process's CPU seconds over the run (its own share of the load average).
+    cpu_s: float = 0.0
     #: The worker's log records during the run, counted by message template.
     worker_log: dict[str, int] = field(default_factory=dict)
     runtime_s: float = 0.0
 
+    @property
+    def cells(self) -> list[CellResult]:
+        return self.results + self.at_once
+
+    @property
+    def machine_state(self) -> MachineState:
+        own = self.cpu_s / self.runtime_s if self.runtime_s else 0.0
+        stall = max((cell.stall_max_ms for cell in self.cells), default=0.0)
+        return judge_machine(*self.load_average, self.cores, own, stall)
+
+    def judged_targets(self) -> list[Target]:
+        return targets(self, self.machine_state)
+
     def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
         return {
             "results": [cell.to_json() for cell in self.results],
+            "ratios": ratios(self.cells),
             "throughput_ratio": None if self.throughput is None else self.throughput["ratio"],
             "throughput": self.throughput,
             "memory": self.memory,
@@ -80,11 +127,53 @@ class Report:
             "shutdown": self.shutdown,
             "worker_log": self.worker_log,
             "load_average": {"before": self.load_average[0], "after": self.load_average[1]},
-            "targets": [target.to_json() for target in targets(self)],
+            "machine_state": self.machine_state.to_json(),
+            "targets": [target.to_json() for target in self.judged_targets()],
             "config": self.config,
             "machine": machine,
             "runtime_s": round(self.runtime_s, 1),
+            "cpu_s": round(self.cpu_s, 1),
         }
+
+
+def cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# -- the files -----------------------------------------------------------------------
+
+
+def results_folder(out: Path | None = None) -> Path:
+    """``out`` (created if needed), or a new ``bench-results/<UTC time>/`` of this run's own."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    stamp = time.strftime(STAMP, time.gmtime())
+    for attempt in range(1, 100):
+        folder = RESULTS_ROOT / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"{RESULTS_ROOT / stamp}: 99 runs in one second")
+
+
+def add_file_options(parser: argparse.ArgumentParser, files: str) -> None:
+    """``--out DIR`` (the run's folder, for ``files``) and ``--json PATH`` (an override)."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help=f"the folder for {files} (default: a new {RESULTS_ROOT}/<UTC time>/)",
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="PATH", help="write the JSON here instead (default DIR)"
+    )
 
 
 def write_json(report: Report, path: Path, machine: dict[str, Any]) -> None:
@@ -92,237 +181,324 @@ def write_json(report: Report, path: Path, machine: dict[str, Any]) -> None:
     path.write_text(json.dumps(report.to_json(machine), indent=2) + "\n")
 
 
-# -- the tables --------------------------------------------------------------------
+# -- text: tables and paragraphs that fit in WIDTH columns ----------------------------
 
 
-def _ms(value: float | None) -> str:
-    if value is None:
-        return "never"
-    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+def wrap(text: str, hang: int = 0) -> list[str]:
+    """``text`` in lines of at most ``WIDTH``; lines after the first indented by ``hang``."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent=" " * hang) or [""]
 
 
-def _triple(stats: Stats, fmt: Callable[[float | None], str] = _ms) -> str:
-    return "/".join(fmt(stats[key]) for key in ("p50", "p99", "max"))
+def table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str] | str],
+    *,
+    align: str = "",
+    groups: Sequence[tuple[str, int]] = (),
+) -> list[str]:
+    """Columns two spaces apart; a ``str`` in ``rows`` is a heading line across the table.
 
+    ``align``: one ``l`` or ``r`` per column (default: the first left, the rest
+    right). ``groups``: (label, columns) spans, centred on a line above the header.
+    """
+    cells = [row for row in rows if not isinstance(row, str)]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *cells, strict=True)]
+    align = align or "l" + "r" * (len(header) - 1)
 
-def _count(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(
+            cell.ljust(width) if side == "l" else cell.rjust(width)
+            for cell, width, side in zip(row, widths, align, strict=True)
+        ).rstrip()
 
-
-_HEADER = (
-    f"{'phase':<19} {'streams':>7} {'approach':<15} {'cancels':>7} "
-    f"{'close ms p50/p99/max':>22} {'abort delay ms p50/p99/max':>27} "
-    f"{'lost':>5} {'leaked':>6} {'wasted p50/p99/max':>18} {'cpu us':>7} {'off':>4} "
-    f"{'stall':>6} {'batch':>6} {'gc':>6}"
-)
-
-
-def _row(cell: CellResult) -> str:
-    return (
-        f"{cell.phase:<19} {cell.concurrency:>7} {cell.approach:<15} {cell.cancels:>7} "
-        f"{_triple(percentiles(cell.stream_close_ms)):>22} "
-        f"{_triple(percentiles(cell.abort_delay_ms)):>27} "
-        f"{cell.aborts_lost:>5} {cell.leaked:>6} "
-        f"{_triple(percentiles(cell.wasted_tokens), _count):>18} "
-        f"{cell.cpu_us_per_cancel:>7.0f} {cell.off_phase:>4} "
-        f"{cell.stall_max_ms:>6.1f} {cell.batch_max_ms:>6.1f} {cell.gc_max_ms:>6.1f}"
-    )
-
-
-def _cells_table(cells: Sequence[CellResult]) -> list[str]:
-    lines = [_HEADER, "-" * len(_HEADER)]
-    previous = ""
-    for cell in cells:
-        if previous and cell.phase != previous:
-            lines.append("")
-        previous = cell.phase
-        lines.append(_row(cell))
+    lines = []
+    if groups:
+        spans, first = [], 0
+        for label, count in groups:
+            span = sum(widths[first : first + count]) + 2 * (count - 1)
+            spans.append(label.center(span) if label else " " * span)
+            first += count
+        lines.append("  ".join(spans).rstrip())
+    lines += [line(header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
+    lines += [row if isinstance(row, str) else line(row) for row in rows]
     return lines
 
 
+#: A space that ``textwrap`` does not break at (it splits at ASCII whitespace only).
+_KEEP = "\N{NO-BREAK SPACE}"
+
+
+def _target_lines(target: Target) -> list[str]:
+    """The target's line, wrapped between its parts rather than inside a figure."""
+    text = target.line(keep=lambda part: part.replace(" ", _KEEP))
+    return [line.replace(_KEEP, " ") for line in wrap(text, hang=15)]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [
+        f"| {' | '.join(header)} |",
+        f"|{'|'.join(' --- ' for _ in header)}|",
+        *(f"| {' | '.join(row)} |" for row in rows),
+    ]
+
+
+# -- the ratios against the baselines, from this run -----------------------------------
+
+OURS = "trio-sglang"
+#: The baselines, with the short names the ratio table's columns use.
+BASELINES = {"first-response": "first-resp", "poll-then-abort": "poll-abort"}
+RATIO_METRICS = {"abort_delay_ms": "abort delay p99", "stream_close_ms": "stream close p99"}
+#: What each baseline is, in a sentence.
+BASELINE_ABOUT = {
+    "first-response": "the old Dynamo worker, which sends no abort before the first output",
+    "poll-then-abort": "Dynamo 1.6's SGLang worker, which polls for dispatch, waits for it a "
+    "bounded time, then aborts",
+}
+
+
+def legend(short: bool) -> str:
+    """The baselines, by the names the table uses (short in the terminal's)."""
+    return " ".join(
+        f"{BASELINES[name]} = {name}, {about}." if short else f"{name}: {about}."
+        for name, about in BASELINE_ABOUT.items()
+    )
+
+
+def _p99(cell: CellResult, metric: str) -> float | None:
+    return percentiles(getattr(cell, metric))["p99"]
+
+
+def ratios(cells: Sequence[CellResult]) -> list[dict[str, Any]]:
+    """Per (phase, streams) where trio-sglang and a baseline both ran: p99s and baseline / ours.
+
+    A p99 of ``None`` never stopped (infinite); a ratio of ``None`` has no
+    finite value (a baseline that never stopped, or both 0).
+    """
+    by_cell = {(cell.phase, cell.concurrency, cell.approach): cell for cell in cells}
+    found = []
+    for (phase, size, approach), ours in by_cell.items():
+        baselines = [name for name in BASELINES if (phase, size, name) in by_cell]
+        if approach != OURS or not baselines:
+            continue
+        row: dict[str, Any] = {"phase": phase, "concurrency": size}
+        for metric in RATIO_METRICS:
+            mine = _p99(ours, metric)
+            theirs = {name: _p99(by_cell[phase, size, name], metric) for name in baselines}
+            row[metric] = {
+                "p99": {OURS: mine, **theirs},
+                "ratio": {name: _ratio(value, mine) for name, value in theirs.items()},
+            }
+        found.append(row)
+    return found
+
+
+def _ratio(theirs: float | None, ours: float | None) -> float | None:
+    if theirs is None or ours is None or ours <= 0:
+        return None
+    return theirs / ours
+
+
+def _ratio_text(theirs: float | None, ours: float | None) -> str:
+    if theirs is None:
+        return "never"
+    if ours is None:
+        return "-"
+    if ours <= 0:
+        return "both 0" if theirs <= 0 else f"{fmt_ms(theirs)} ms"
+    ratio = theirs / ours
+    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:,.0f}x"
+
+
+def headline_ratios(cells: Sequence[CellResult]) -> list[dict[str, Any]]:
+    """Per phase, at the most streams the baselines ran; and the at-once burst."""
+    rows = ratios(cells)
+    spread = [row["concurrency"] for row in rows if not row["phase"].startswith("at_once")]
+    top = max(spread, default=0)
+    return [row for row in rows if row["concurrency"] == top or row["phase"].startswith("at_once")]
+
+
+def _ratio_rows(
+    rows: Sequence[dict[str, Any]], names: Sequence[str], size: int, *, compact: bool
+) -> list[list[str]]:
+    """The cells of the ratio table; ``compact``: streams in the phase column, if not ``size``."""
+    out = []
+    for row in rows:
+        line = [row["phase"], f"{row['concurrency']:,}"][: 1 if compact else 2]
+        if compact and row["concurrency"] != size:
+            line[0] += f" x {row['concurrency']:,}"
+        for metric in RATIO_METRICS:
+            p99 = row[metric]["p99"]
+            line.append(f"{fmt_ms(p99[OURS])} ms")
+            line += [_ratio_text(p99[name], p99[OURS]) if name in p99 else "-" for name in names]
+        out.append(line)
+    return out
+
+
+def _ratio_table(cells: Sequence[CellResult], *, markdown: bool = False) -> list[str]:
+    rows = headline_ratios(cells)
+    if not rows:
+        return ["No baseline ran beside trio-sglang: no ratios."]
+    names = [
+        name for name in BASELINES if any(name in row["abort_delay_ms"]["p99"] for row in rows)
+    ]
+    size = rows[0]["concurrency"]
+    body = _ratio_rows(rows, names, size, compact=not markdown)
+    if markdown:
+        header = ["phase", "streams"]
+        for label in RATIO_METRICS.values():
+            header += [f"{label}, {OURS}", *(f"{name} / {OURS}" for name in names)]
+        return markdown_table(header, body)
+    header = ["phase", *([OURS, *(BASELINES[name] for name in names)] * 2)]
+    groups = [("", 1), *((label, 1 + len(names)) for label in RATIO_METRICS.values())]
+    return table(header, body, groups=groups)
+
+
+# -- the whole text --------------------------------------------------------------------
+
+
+def _cell_row(cell: CellResult) -> list[str]:
+    def pair(samples: list[float]) -> str:
+        stats = percentiles(samples)
+        return f"{fmt_ms(stats['p50'])}/{fmt_ms(stats['p99'])}"
+
+    wasted = percentiles(cell.wasted_tokens)["p99"]
+    return [
+        f"{cell.concurrency:,}",
+        cell.approach,
+        f"{cell.cancels:,}",
+        pair(cell.stream_close_ms),
+        pair(cell.abort_delay_ms),
+        f"{cell.aborts_lost:,}",
+        f"{cell.leaked:,}",
+        "-" if wasted is None else f"{wasted:g}",
+        f"{cell.cpu_us_per_cancel:.0f}",
+        f"{cell.off_phase}",
+    ]
+
+
+CELL_HEADER = (
+    "streams",
+    "approach",
+    "cancels",
+    "close p50/p99",
+    "abort p50/p99",
+    "lost",
+    "leaked",
+    "wasted",
+    "cpu us",
+    "off",
+)
+
+
+def _cells_table(cells: Sequence[CellResult]) -> list[str]:
+    rows: list[Sequence[str] | str] = []
+    for phase in dict.fromkeys(cell.phase for cell in cells):
+        rows.append(f"{phase}:")
+        rows += [_cell_row(cell) for cell in cells if cell.phase == phase]
+    return table(CELL_HEADER, rows, align="rlrrrrrrrr")
+
+
 def format_report(report: Report) -> str:
-    lines = ["Cancel latency (trio clock, real time; 'never' = still held at the end)", ""]
-    lines += _cells_table(report.results)
+    """Ratios first, then the targets, then the details; no line wider than ``WIDTH``."""
+    top = headline_ratios(report.cells)
+    size = next((row["concurrency"] for row in top if row["phase"] != "at_once"), 0)
+    lines = [
+        "Cancel latency: trio-sglang against Dynamo's two strategies (SimEngine, real time)",
+        *wrap(legend(short=True)),
+        "",
+        *wrap(
+            f"p99 per phase at {size:,} streams, and the at-once burst: trio-sglang in ms, each "
+            "baseline as its p99 over trio-sglang's, measured in this run (3.0x: three times "
+            "longer; never: it left requests running)"
+        ),
+        "",
+        *_ratio_table(report.cells),
+        "",
+        "targets (counts judged always; times only on a quiet machine):",
+        *(line for target in report.judged_targets() for line in _target_lines(target)),
+        *wrap(report.machine_state.line()),
+        "",
+        *wrap(
+            "Every cell, in ms (p50/p99): 'close' = the caller's stream closed after the cancel, "
+            "'abort' = the engine let go after max(cancel, dispatch), 'never' = still held at "
+            "the end; 'wasted' = tokens decoded after the cancel (p99); 'cpu us' per cancel; "
+            "'off' = cancels that landed in another phase."
+        ),
+        "",
+        *_cells_table(report.results),
+    ]
     if report.at_once:
         lines += ["", "All streams cancelled in one instant:", ""]
         lines += _cells_table(report.at_once)
-    lines += ["", *_overhead_lines(report), "", "SPEC targets:", ""]
-    lines += [target.line() for target in targets(report)]
+    lines += ["", *_overhead_lines(report)]
     return "\n".join(lines)
 
 
 def _overhead_lines(report: Report) -> list[str]:
-    cells = report.results + report.at_once
+    cells = report.cells
     before, after = report.load_average
-    preempted = sum(cell.preempted for cell in cells)
-    lines = [
-        f"machine: load average {before:.2f} before, {after:.2f} after; the OS preempted this "
-        f"process {preempted:,} times during the cells. Per cell, in ms, while cancels were "
-        "served: 'stall' = the longest the OS held the CPU away within one event-loop batch, "
-        "'batch' = the most CPU one batch used, 'gc' = the longest garbage collection"
+    texts = [
+        f"machine: {report.cores} cores, load average {before:.2f} before, {after:.2f} after, "
+        f"this process {report.cpu_s:.0f} s of CPU in {report.runtime_s:.0f} s; the OS "
+        f"preempted it {sum(cell.preempted for cell in cells):,} times during the cells."
     ]
+    if cells:
+        texts.append(
+            "worst of any cell while cancels were served (each cell's in results.json): "
+            f"OS stall {max(cell.stall_max_ms for cell in cells):.1f} ms, "
+            f"loop batch {max(cell.batch_max_ms for cell in cells):.1f} ms, "
+            f"garbage collection {max(cell.gc_max_ms for cell in cells):.1f} ms"
+        )
     if report.throughput is not None:
         t = report.throughput
-        lines.append(
+        texts.append(
             f"throughput: worker {t['worker_tokens_per_s']:,.0f} tok/s, direct "
             f"{t['direct_tokens_per_s']:,.0f} tok/s, ratio {t['ratio']:.3f} ({t['method']}; "
             f"median per-round ratio {t['median_round_ratio']:.3f})"
         )
     if report.memory is not None:
         m = report.memory
-        lines.append(
+        texts.append(
             f"memory: {m['bytes_per_request']:,.0f} bytes per in-flight request through the "
             f"worker ({m['streams']:,} streams, {m['method']})"
         )
     if report.shutdown is not None:
         s = report.shutdown
-        lines.append(
+        texts.append(
             f"shutdown: {s['shutdown_ms']:.0f} ms with {s['pending_cleanups']:,} pending cleanups "
             f"(grace {1e3 * s['grace_s']:.0f} ms, {s['over_grace_ms']:.0f} ms over it)"
         )
-    return lines
+    return [line for text in texts for line in wrap(text)]
 
 
-# -- the SPEC targets --------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    what: str
-    target: str
-    measured: str
-    met: bool | None  # None: not measured in this run
-
-    def line(self) -> str:
-        verdict = {True: "met", False: "MISSED", None: "not run"}[self.met]
-        return f"  [{verdict:>7}] {self.what}: target {self.target}; measured {self.measured}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "what": self.what,
-            "target": self.target,
-            "measured": self.measured,
-            "met": self.met,
-        }
-
-
-def _ours(cells: Iterable[CellResult]) -> list[CellResult]:
-    return [cell for cell in cells if cell.approach == "trio-sglang"]
-
-
-def _worst(cells: Sequence[CellResult], samples: str, key: str = "p99") -> float | None:
-    """The worst ``key`` percentile of ``samples`` over (non-empty) ``cells``; None if infinite."""
-    values = [percentiles(getattr(cell, samples))[key] for cell in cells]
-    if any(value is None for value in values):
-        return None
-    return max(value for value in values if value is not None)
-
-
-def _at_scale(cells: Sequence[CellResult], wanted: int) -> tuple[list[CellResult], int]:
-    """trio-sglang's cells at ``wanted`` streams, or at the largest concurrency that ran."""
-    ours = _ours(cells)
-    sizes = {cell.concurrency for cell in ours}
-    size = wanted if wanted in sizes else max(sizes, default=0)
-    return [cell for cell in ours if cell.concurrency == size], size
-
-
-def _latency_target(what: str, limit: float, cells: Sequence[CellResult], samples: str) -> Target:
-    chosen, size = _at_scale(cells, 1000)
-    if not chosen:
-        return Target(what, f"p99 <= {limit:g} ms", "not run", None)
-    worst = _worst(chosen, samples)
-    measured = f"worst p99 over phases {_ms(worst)} ms at {size:,} streams"
-    return Target(what, f"p99 <= {limit:g} ms", measured, worst is not None and worst <= limit)
-
-
-def targets(report: Report) -> list[Target]:
-    ours = _ours(report.results)
-    found = [
-        _latency_target(
-            "caller's stream closed after cancel (any phase, 1,000 streams)",
-            1.0,
-            report.results,
-            "stream_close_ms",
+def summary_markdown(report: Report, machine: dict[str, Any], title: str) -> str:
+    """``summary.md``: the ratios, the targets with verdicts, the machine and its load."""
+    state = report.machine_state
+    before, after = report.load_average
+    lines = [
+        f"# Cancel latency, {title}",
+        "",
+        f"- Run: `{report.config.get('size', 'custom')}` size, {report.runtime_s:.0f} s, "
+        f"trio-sglang {machine.get('trio_sglang', '?')}, Python {machine.get('python', '?')}.",
+        f"- Machine: {machine.get('platform', '?')}, {report.cores} cores, load average "
+        f"{before:.2f} before and {after:.2f} after, this process {report.cpu_s:.0f} s of CPU.",
+        f"- Verdicts: {state.line()}.",
+        "",
+        "## Against the baselines, in this run",
+        "",
+        f"{legend(short=False)} Each ratio is the baseline's p99 over trio-sglang's, both "
+        "measured in this run; 'never': the baseline left requests running.",
+        "",
+        *_ratio_table(report.cells, markdown=True),
+        "",
+        "## Targets",
+        "",
+        *markdown_table(
+            ["verdict", "what", "measured", "target"],
+            [
+                [target.verdict, target.what, target.measured, target.target]
+                for target in report.judged_targets()
+            ],
         ),
-        _latency_target(
-            "extra abort delay beyond the wait for dispatch",
-            2.0,
-            report.results,
-            "abort_delay_ms",
-        ),
-        _lost_and_leaked(ours + _ours(report.at_once)),
-        _wasted(ours),
-        _throughput(report.throughput),
-        _at_once(_ours(report.at_once)),
-        _memory(report.memory),
-        _shutdown(report.shutdown),
     ]
-    return found
-
-
-def _lost_and_leaked(cells: Sequence[CellResult]) -> Target:
-    what, target = "aborts lost / requests leaked at random moments", "0 / 0 over >= 10,000 cancels"
-    if not cells:
-        return Target(what, target, "not run", None)
-    cancels = sum(cell.cancels for cell in cells)
-    lost = sum(cell.aborts_lost for cell in cells)
-    leaked = sum(cell.leaked for cell in cells)
-    measured = f"{lost} / {leaked} over {cancels:,} cancels"
-    return Target(what, target, measured, lost == 0 and leaked == 0 and cancels >= 10_000)
-
-
-def _wasted(cells: Sequence[CellResult]) -> Target:
-    what, target = "decode tokens generated after the cancel", "<= 1 per request at p99"
-    if not cells:
-        return Target(what, target, "not run", None)
-    worst = _worst(cells, "wasted_tokens")
-    worst_max = _worst(cells, "wasted_tokens", "max")
-    measured = f"worst p99 {_count(worst)}, worst max {_count(worst_max)} (all cells)"
-    return Target(what, target, measured, worst is not None and worst <= 1)
-
-
-def _throughput(throughput: dict[str, Any] | None) -> Target:
-    what, target = "tokens/s through worker.generate vs the engine directly", ">= 0.9"
-    if throughput is None:
-        return Target(what, target, "not run", None)
-    ratio = float(throughput["ratio"])
-    measured = f"{ratio:.3f} (median per-round {throughput['median_round_ratio']:.3f})"
-    return Target(what, target, measured, ratio >= 0.9)
-
-
-def _at_once(cells: Sequence[CellResult]) -> Target:
-    what, target = "streams cancelled at once, all stopped", "within 1 s for 10,000"
-    plain = [cell for cell in cells if cell.phase == "at_once"]  # not the tuned gc variant
-    if not plain:
-        return Target(what, target, "not run", None)
-    cell = plain[0]
-    closed = percentiles(cell.stream_close_ms)["max"]
-    stopped = percentiles(cell.abort_delay_ms)["max"]
-    worst = None if closed is None or stopped is None else max(closed, stopped)
-    measured = (
-        f"{cell.concurrency:,} streams: last stream closed {_ms(closed)} ms, "
-        f"last request stopped at the engine {_ms(stopped)} ms"
-    )
-    met = worst is not None and worst <= 1000 and cell.concurrency >= 10_000
-    return Target(what, target, measured, met)
-
-
-def _memory(memory: dict[str, Any] | None) -> Target:
-    what, target = "worker memory per in-flight request", "<= 10 KB"
-    if memory is None:
-        return Target(what, target, "not run", None)
-    per = float(memory["bytes_per_request"])
-    measured = f"{per / 1024:.2f} KiB ({memory['streams']:,} streams)"
-    return Target(what, target, measured, per <= 10 * 1024)
-
-
-def _shutdown(shutdown: dict[str, Any] | None) -> Target:
-    what, target = "worker shutdown with 1,000 pending detached aborts", "within grace + 50 ms"
-    if shutdown is None:
-        return Target(what, target, "not run", None)
-    over = float(shutdown["over_grace_ms"])
-    measured = (
-        f"{shutdown['shutdown_ms']:.0f} ms with grace {1e3 * shutdown['grace_s']:.0f} ms "
-        f"({over:.0f} ms over, {shutdown['pending_cleanups']:,} pending)"
-    )
-    return Target(what, target, measured, over <= 50 and shutdown["pending_cleanups"] >= 1000)
+    return "\n".join(lines) + "\n"

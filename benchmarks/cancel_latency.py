@@ -1,13 +1,23 @@
 """Cancel-latency benchmark: trio-sglang's lifecycle against the anchors' strategies.
 
-    python benchmarks/cancel_latency.py [--quick] [--json PATH] [--plot PATH]
-        [--concurrency 1,100,1000,10000] [--phases tokenizing,...]
+    python benchmarks/cancel_latency.py [--quick | --full] [--out DIR]
+        [--json PATH] [--plot PATH] [--concurrency 1,100,1000] [--phases tokenizing,...]
+
+Three sizes (``SIZES``): the default (about 2 minutes on 2 cores: every
+phase at 1, 100 and 1,000 streams, 10,000 at once, for all three
+approaches), ``--quick`` (CI's subset, under a minute) and ``--full`` (the
+whole sweep, with 10,000 streams per phase for trio-sglang; about 4 minutes
+on a quiet machine).
 
 Everything runs in this one process, in real time on trio's normal clock,
 each measurement on a fresh ``SimEngine`` with the same engine settings and
 the same cancel schedule for every approach (see docs/benchmarks.md for what
-each number means and the latest results). A progress line goes to stderr,
-the tables to stdout.
+each number means and the latest results). A progress bar goes to stderr,
+the tables to stdout: first the ratios against the baselines measured in
+this run, then the targets (``_verdict.py``: times are judged only on a quiet
+machine), then every cell. Every run writes ``results.json``, ``latency.png``
+and ``summary.md`` into a folder of its own (``bench-results/<UTC time>/``,
+or ``--out DIR``) and prints their paths.
 """
 
 from __future__ import annotations
@@ -36,13 +46,44 @@ from _approaches import APPROACHES
 from _cells import CellPlan, run_at_once, run_cell
 from _overhead import memory_per_request, throughput_ratio
 from _phases import PHASES
-from _report import Progress, Report, format_report, write_json
+from _report import (
+    Progress,
+    Report,
+    add_file_options,
+    cores,
+    format_report,
+    results_folder,
+    summary_markdown,
+    write_json,
+)
 from _shutdown import shutdown_time
 
-__all__ = ["Config", "main", "run_benchmark"]
+__all__ = ["SIZES", "Config", "Size", "main", "run_benchmark"]
 
-FULL_CONCURRENCY = (1, 100, 1000, 10_000)
-QUICK_CONCURRENCY = (1, 100)
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """How much one run measures: ``--quick``, the default, ``--full``."""
+
+    concurrency: tuple[int, ...]
+    #: Small concurrencies repeat their wave until a cell has this many cancels.
+    min_cancels: int
+    #: The at-once burst for the baselines too (else trio-sglang's only).
+    at_once_baselines: bool
+    at_once_gc_frozen: bool
+    memory_streams: int
+    throughput_rounds: int
+    throughput_tokens: int
+
+
+SIZES = {
+    # CI's subset: under a minute.
+    "quick": Size((1, 100), 5, False, False, 1000, 2, 500),
+    # The headline, about 2 minutes on 2 cores: every phase and approach up to 1,000 streams.
+    "default": Size((1, 100, 1000), 10, True, False, 10_000, 3, 1000),
+    # The whole sweep: 10,000 streams per phase for trio-sglang, the gc-frozen burst.
+    "full": Size((1, 100, 1000, 10_000), 20, True, True, 10_000, 5, 1000),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +92,8 @@ class Config:
 
     #: (phase, concurrency) cells; each runs for every approach in ``approaches``.
     grid: tuple[tuple[str, int], ...]
+    #: Which of ``SIZES`` it came from ("custom": built in code).
+    size: str = "custom"
     approaches: tuple[str, ...] = tuple(APPROACHES)
     #: Baselines run only up to this concurrency (they are not what is being proven at 10,000).
     baseline_max_concurrency: int = 1000
@@ -115,9 +158,10 @@ def grid(phases: Sequence[str], concurrency: Sequence[int]) -> tuple[tuple[str, 
 async def run_benchmark(config: Config, progress: Progress | None = None) -> Report:
     """Run everything the config asks for, in order: overhead, cells, at-once, shutdown."""
     steps = Progress(config.steps(), stream=io.StringIO()) if progress is None else progress
-    report = Report(config=config.to_json())
+    report = Report(config=config.to_json(), cores=cores())
     load_before = os.getloadavg()
     started = time.perf_counter()
+    cpu_started = time.process_time()
     if config.throughput_rounds:
         steps.start("throughput: worker.generate vs the engine directly")
         report.throughput = await throughput_ratio(
@@ -142,6 +186,7 @@ async def run_benchmark(config: Config, progress: Progress | None = None) -> Rep
         report.shutdown = await shutdown_time(config.shutdown_pending)
         steps.step_done()
     report.runtime_s = time.perf_counter() - started
+    report.cpu_s = time.process_time() - cpu_started
     report.load_average = (load_before[0], os.getloadavg()[0])
     return report
 
@@ -176,16 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cancel_latency.py",
         description="Cancel latency of trio-sglang vs a first-response and a poll-then-abort "
-        "worker, on the SimEngine, in real time.",
+        "worker, on the SimEngine, in real time. The default run (about 2 minutes on 2 "
+        "cores) measures every phase at 1, 100 and 1,000 streams and 10,000 at once.",
     )
-    parser.add_argument(
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick",
         action="store_true",
-        help="a subset that finishes in under a minute: 1 and 100 streams, all phases, "
-        "10,000 at once for trio-sglang only, smaller overhead runs",
+        help="CI's subset, under a minute: 1 and 100 streams, all phases, 10,000 at once "
+        "for trio-sglang only, smaller overhead runs",
     )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG (bench extra)")
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="the whole sweep: also 10,000 streams per phase (trio-sglang), 20 cancels per "
+        "cell at least, the at-once burst with the collector frozen too",
+    )
+    add_file_options(parser, "results.json, latency.png and summary.md")
+    parser.add_argument(
+        "--plot", type=Path, metavar="PATH", help="write the PNG here instead (default DIR)"
+    )
     parser.add_argument("--concurrency", type=_int_list, metavar="N,N,...")
     parser.add_argument("--phases", type=_names(list(PHASES)), metavar="NAME,...")
     parser.add_argument("--approaches", type=_names(list(APPROACHES)), metavar="NAME,...")
@@ -215,30 +270,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def size_name(args: argparse.Namespace) -> str:
+    return "quick" if args.quick else "full" if args.full else "default"
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
+    name = size_name(args)
+    size = SIZES[name]
     phases = args.phases or tuple(PHASES)
     approaches = args.approaches or tuple(APPROACHES)
-    common: dict[str, Any] = {
-        "approaches": approaches,
-        "baseline_max_concurrency": args.baseline_max_concurrency,
-        "arrival_rate": args.arrival_rate,
-        "seed": args.seed,
-    }
-    if args.quick:
-        common |= {
-            "min_cancels": 5,
-            "at_once_approaches": ("trio-sglang",),
-            "at_once_gc_frozen": False,
-            "memory_streams": 1000,
-            "throughput_rounds": 2,
-            "throughput_tokens": 500,
-        }
-    else:
-        common["at_once_approaches"] = approaches
-    if args.at_once is not None:
-        common["at_once"] = args.at_once
-    concurrency = args.concurrency or (QUICK_CONCURRENCY if args.quick else FULL_CONCURRENCY)
-    return Config(grid=grid(phases, concurrency), **common)
+    chosen: dict[str, Any] = {} if args.at_once is None else {"at_once": args.at_once}
+    return Config(
+        grid=grid(phases, args.concurrency or size.concurrency),
+        size=name,
+        approaches=approaches,
+        baseline_max_concurrency=args.baseline_max_concurrency,
+        min_cancels=size.min_cancels,
+        arrival_rate=args.arrival_rate,
+        seed=args.seed,
+        at_once_approaches=approaches if size.at_once_baselines else ("trio-sglang",),
+        at_once_gc_frozen=size.at_once_gc_frozen,
+        memory_streams=size.memory_streams,
+        throughput_rounds=size.throughput_rounds,
+        throughput_tokens=size.throughput_tokens,
+        **chosen,
+    )
 
 
 def machine() -> dict[str, Any]:
@@ -280,36 +336,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine == "sglang-harness":
         return harness_main(args)
     config = config_from_args(args)
-    if args.plot is not None:
-        from _plot import MissingPlotDependency, require_matplotlib
-
-        try:
-            require_matplotlib()  # fail now, not after the run
-        except MissingPlotDependency as exc:
-            print(f"cancel_latency.py: error: {exc}", file=sys.stderr)
-            return 2
+    plot_error = _plot_error()  # known now, not after the run
+    if plot_error and args.plot is not None:
+        print(f"cancel_latency.py: error: {plot_error}", file=sys.stderr)
+        return 2
+    folder = results_folder(args.out)
     counter = _LogCounter()
     worker_log = logging.getLogger("trio_sglang")
     worker_log.addHandler(counter)
     worker_log.propagate = False
-    progress = Progress(config.steps())
+    progress = Progress(config.steps() + 1)
     try:
         report = trio.run(run_benchmark, config, progress)
     finally:
         worker_log.removeHandler(counter)
         worker_log.propagate = True
-    progress.finish()
     report.worker_log = dict(counter.counts)
+    progress.start(f"writing {folder}")
+    written = save_results(report, folder, args.json, None if plot_error else args.plot)
+    progress.step_done()
+    progress.finish()
     print(format_report(report))
-    if args.json is not None:
-        write_json(report, args.json, machine())
-        print(f"\nJSON: {args.json}")
-    if args.plot is not None:
+    print("\nfiles:")
+    for path in written:
+        print(f"  {path}")
+    if plot_error:
+        print(f"  no latency.png: {plot_error}")
+    return 0
+
+
+def _plot_error() -> str:
+    """Why there can be no PNG, or "" if there can."""
+    from _plot import MissingPlotDependency, require_matplotlib
+
+    try:
+        require_matplotlib()
+    except MissingPlotDependency as exc:
+        return str(exc)
+    return ""
+
+
+def save_results(
+    report: Report, folder: Path, json_path: Path | None = None, plot_path: Path | None = None
+) -> list[Path]:
+    """results.json, latency.png (when ``plot_path`` or matplotlib is there) and summary.md."""
+    about = machine()
+    written = [json_path or folder / "results.json"]
+    write_json(report, written[0], about)
+    if plot_path is not None or not _plot_error():
         from _plot import plot
 
-        plot(report.results + report.at_once, args.plot)
-        print(f"plot: {args.plot}")
-    return 0
+        written.append(plot_path or folder / "latency.png")
+        plot(report.cells, written[-1])
+    written.append(folder / "summary.md")
+    written[-1].write_text(summary_markdown(report, about, folder.name))
+    return written
 
 
 def harness_main(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Disaggregated-prefill cancel benchmark: what a client's cancel leaves running on a PD pair.
 
-    python benchmarks/disagg_cancel.py [--quick] [--requests N] [--load L]
-        [--cancel-share S] [--seed S] [--json PATH]
+    python benchmarks/disagg_cancel.py [--quick | --full] [--requests N] [--load L]
+        [--cancel-share S] [--seed S] [--out DIR] [--json PATH]
 
 A prefill and a decode ``SimEngine`` (one shared ``SimKVRooms``), a
 trio-sglang prefill worker, and on the decode side one of three approaches
@@ -16,7 +16,11 @@ reservation for nobody (ai-dynamo/dynamo#13691, #14368).
 Everything runs on trio's ``MockClock`` (autojump): the reported seconds are
 sim seconds, the modelled GPUs' time, exact and the same on any machine; only
 the runtime line is wall time. Progress on stderr, the tables on stdout,
-every number in the JSON (see docs/benchmarks.md).
+every number in ``disagg.json``, the totals in a section of ``summary.md``,
+both in a results folder (``--out DIR``, by default a new
+``bench-results/<UTC time>/``; ``nox -s bench`` gives both benchmarks the
+same one) whose paths it prints. ``--full`` is the default size, so that
+``nox -s bench -- --full`` can pass it to both benchmarks.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from _disagg_approaches import PD_APPROACHES
 from _disagg_metrics import HELD_AFTER, PHASES, ApproachResult, summarize
 from _disagg_run import PROGRESS_STEPS, Workload, run_approach
 from _metrics import percentiles
-from _report import Progress
+from _report import Progress, add_file_options, markdown_table, results_folder, table, wrap
 from cancel_latency import _LogCounter, machine
 
 __all__ = [
@@ -48,6 +52,8 @@ __all__ = [
     "format_report",
     "main",
     "run_benchmark",
+    "save_results",
+    "summary_markdown",
 ]
 
 #: The default run, and ``--quick`` (what CI runs, a few seconds).
@@ -124,18 +130,6 @@ def _triple(samples: Sequence[float]) -> str:
     return "/".join(_sec(stats[key]) for key in ("p50", "p99", "max"))
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        )
-
-    return [line(header), "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(line, rows)]
-
-
 def _prefill_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
     return [
         [
@@ -186,53 +180,60 @@ def _phase_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
     return rows
 
 
-def format_report(report: Report) -> str:
+PREFILL_HEADER = (
+    "approach",
+    "cancels",
+    "forward s",
+    "wasted s",
+    "wasted/cancel",
+    "HOL s",
+    "HOL/stayer",
+    "stayer TTFT",
+)
+DECODE_HEADER = (
+    "approach",
+    "held",
+    "hold s/cancel",
+    "kv timeouts",
+    "tokens after",
+    "stayers failed",
+    "live at end",
+    "lost",
+)
+
+
+def _about(report: Report) -> list[str]:
     w = report.config.workload
     t = w.timing.disagg
-    lines = [
+    return wrap(
         f"Disaggregated cancels: {w.requests:,} requests, offered prefill load {w.load:g}, "
-        f"{w.cancel_share:.0%} of clients leave at a random moment (seed {w.seed})",
+        f"{w.cancel_share:.0%} of clients leave at a random moment (seed {w.seed}). "
         f"Clock: {CLOCK}. Prefill {1 / t.prefill_time_per_token:,.0f} tokens/s in chunks of "
-        f"{t.prefill_chunk_tokens:,}; KV wait timeout {t.kv_wait_timeout:g} s.",
+        f"{t.prefill_chunk_tokens:,}; KV wait timeout {t.kv_wait_timeout:g} s."
+    )
+
+
+def format_report(report: Report) -> str:
+    lines = [
+        *_about(report),
         "",
-        "Prefill side (sim seconds; p50/p99/max):",
+        "Prefill side (sim seconds; p50/p99/max; HOL: the delay to others' first tokens):",
         "",
-        *_table(
-            [
-                "approach",
-                "cancels",
-                "forward s",
-                "wasted s",
-                "wasted per cancel",
-                "HOL s",
-                "HOL per stayer",
-                "stayer TTFT",
-            ],
-            _prefill_rows(report.results),
+        *table(PREFILL_HEADER, _prefill_rows(report.results)),
+        "",
+        *wrap(
+            f"Decode side ('held': let go more than {HELD_AFTER * 1e3:g} ms after the cancel; "
+            "'never' = still held at the end):"
         ),
         "",
-        f"Decode side ('held': let go more than {HELD_AFTER * 1e3:g} ms after the cancel; "
-        "'never' = still held at the end):",
-        "",
-        *_table(
-            [
-                "approach",
-                "held",
-                "hold s per cancel",
-                "kv timeouts",
-                "tokens after",
-                "stayers failed",
-                "live at end",
-                "lost",
-            ],
-            _decode_rows(report.results),
-        ),
+        *table(DECODE_HEADER, _decode_rows(report.results)),
         "",
         "Per phase at the cancel (wasted prefill s, decode hold s: p50/p99/max):",
         "",
-        *_table(
+        *table(
             ["phase", "approach", "cancels", "wasted prefill", "held", "decode hold"],
             _phase_rows(report.results),
+            align="llrrrr",
         ),
         "",
         *_runtime_lines(report),
@@ -240,17 +241,37 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def summary_markdown(report: Report) -> str:
+    """This benchmark's section of ``summary.md``: the two totals tables."""
+    return "\n".join(
+        [
+            "## Prefill/decode pair (disagg_cancel.py)",
+            "",
+            *_about(report),
+            "",
+            "Prefill side (sim seconds; p50/p99/max; HOL: the delay to others' first tokens):",
+            "",
+            *markdown_table(PREFILL_HEADER, _prefill_rows(report.results)),
+            "",
+            f"Decode side ('held': let go more than {HELD_AFTER * 1e3:g} ms after the cancel):",
+            "",
+            *markdown_table(DECODE_HEADER, _decode_rows(report.results)),
+            "",
+        ]
+    )
+
+
 def _runtime_lines(report: Report) -> list[str]:
-    lines = [
+    texts = [
         f"{r.approach}: last client left at sim {r.last_client_s:,.0f} s, engines empty at "
         f"{r.settled_s:,.0f} s; baseline bound hits {r.bound_hits}; "
         f"{r.runtime_s:.1f} s of wall time"
         for r in report.results
     ]
-    lines.append(f"runtime: {report.runtime_s:.1f} s of wall time")
+    texts.append(f"runtime: {report.runtime_s:.1f} s of wall time")
     if report.worker_log:
-        lines.append(f"worker log: {report.worker_log}")
-    return lines
+        texts.append(f"worker log: {report.worker_log}")
+    return [line for text in texts for line in wrap(text)]
 
 
 # -- the command line --------------------------------------------------------------
@@ -276,8 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill/decode pair: trio-sglang vs Dynamo's first-response worker and a "
         "prefill-only abort, on SimEngines and trio's MockClock.",
     )
-    parser.add_argument(
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick", action="store_true", help=f"{QUICK.requests} requests (CI, a few seconds)"
+    )
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the default size, {FULL.requests:,} requests (for nox -s bench -- --full)",
     )
     parser.add_argument(
         "--requests", type=_bounded(int, 1, 10**6), help=f"default {FULL.requests:,}"
@@ -293,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"share of clients that leave early (default {FULL.cancel_share})",
     )
     parser.add_argument("--seed", type=int, help="default 0")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    add_file_options(parser, "disagg.json and its section of summary.md")
     return parser
 
 
@@ -315,6 +342,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
+    folder = results_folder(args.out)
     counter = _LogCounter()
     worker_log = logging.getLogger("trio_sglang")
     worker_log.addHandler(counter)
@@ -328,11 +356,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.finish()
     report.worker_log = dict(counter.counts)
     print(format_report(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report.to_json(machine()), indent=2) + "\n")
-        print(f"\nJSON: {args.json}")
+    print("\nfiles:")
+    for path in save_results(report, folder, args.json):
+        print(f"  {path}")
     return 0
+
+
+def save_results(report: Report, folder: Path, json_path: Path | None = None) -> list[Path]:
+    """disagg.json, and this benchmark's section of summary.md (after cancel_latency's, if any)."""
+    path = json_path or folder / "disagg.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_json(machine()), indent=2) + "\n")
+    summary = folder / "summary.md"
+    with summary.open("a") as out:
+        out.write(("\n" if out.tell() else "") + summary_markdown(report))
+    return [path, summary]
 
 
 if __name__ == "__main__":

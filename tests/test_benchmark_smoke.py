@@ -1,5 +1,7 @@
 """The cancel-latency benchmark's core, on a tiny config: it runs, its output has the
 documented shape, and it tells the approaches apart the way SGLang's semantics say it must.
+A run writes its own results folder and prints the paths; its tables fit in 100 columns;
+time targets are judged only on a quiet machine.
 
 No wall-clock thresholds: only counts and structure. The one timing the asserts lean on
 is the slow-tokenization phase's own margin (a 1 s tokenization against poll-then-abort's
@@ -9,6 +11,7 @@ is the slow-tokenization phase's own margin (a 1 s tokenization against poll-the
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -69,7 +72,15 @@ def test_tiny_run_has_the_documented_shape(report: Any) -> None:
     assert data["shutdown"]["pending_cleanups"] == 20
     assert [cell["approach"] for cell in data["at_once"]] == ["trio-sglang"]
     assert len(data["targets"]) == 8
-    assert all(set(t) == {"what", "target", "measured", "met"} for t in data["targets"])
+    keys = {"what", "target", "measured", "met", "verdict", "judged"}
+    assert all(set(t) == keys for t in data["targets"])
+    assert set(data["machine_state"]) >= {"quiet", "load", "cores", "worst_stall_ms"}
+    ratios = {(row["phase"], row["concurrency"]): row for row in data["ratios"]}
+    assert set(ratios) == {(p, c) for p, c in GRID}  # the at-once burst ran trio-sglang only
+    slow = ratios["slow_tokenization", 10]["abort_delay_ms"]
+    assert slow["p99"]["poll-then-abort"] is None  # never stopped: no finite ratio
+    assert slow["ratio"]["poll-then-abort"] is None
+    assert slow["ratio"]["first-response"] > 1  # it waits for the first output
 
 
 def test_trio_sglang_loses_and_leaks_nothing(report: Any) -> None:
@@ -100,7 +111,162 @@ def test_report_renders(bench: ModuleType, report: Any) -> None:
     text = _report.format_report(report)
     for name in APPROACHES:
         assert name in text
-    assert "SPEC targets:" in text
+    assert "SPEC" not in text
+    # First the ratios against the baselines of this run, then the targets, then the cells.
+    ratios = text.index("abort delay p99")
+    targets = text.index("targets (")
+    cells = text.index("close p50/p99")
+    assert ratios < targets < cells
+    assert re.search(r"^slow_tokenization +[0-9.]+ ms .* never ", text, re.MULTILINE)
+
+
+def test_tables_fit_in_100_columns(
+    report: Any, disagg: ModuleType, disagg_report: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _phases
+    import _report
+
+    longest = max(_phases.PHASES, key=len)
+    for cell in report.results:  # the widest names and counts a default run has
+        monkeypatch.setattr(cell, "phase", longest if cell.concurrency == 1 else cell.phase)
+        monkeypatch.setattr(cell, "concurrency", 10_000 * cell.concurrency)
+    for text in (_report.format_report(report), disagg.format_report(disagg_report)):
+        widths = [len(line) for line in text.splitlines()]
+        assert max(widths) <= 100, max(widths)
+
+
+# -- the busy-machine rule: a pure function of the load figures and the stalls -------
+
+
+def measured_on(
+    report: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    load: tuple[float, float],
+    own: float,
+    stall: float,
+) -> None:
+    """Make the tiny run look as if it ran on a 2-core machine with these figures."""
+    monkeypatch.setattr(report, "load_average", load)
+    monkeypatch.setattr(report, "cpu_s", own * report.runtime_s)
+    monkeypatch.setattr(report, "cores", 2)
+    for cell in report.cells:
+        monkeypatch.setattr(cell, "stall_max_ms", stall)
+
+
+def test_quiet_machine_judges_every_target(report: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import _report
+    import _verdict
+
+    quiet = _verdict.judge_machine(0.3, 1.1, 2, own_load=0.8, worst_stall_ms=1.0)
+    assert quiet.quiet  # others' load: max(0.3, 1.1 - 0.8) = 0.3 <= 0.5 x 2
+    judged = _verdict.targets(report, quiet)
+    assert all(not target.not_judged for target in judged)
+    assert {target.verdict for target in judged} <= {"met", "MISSED", "not run"}
+    measured_on(report, monkeypatch, (0.3, 1.1), own=0.8, stall=1.0)
+    text = _report.format_report(report)
+    assert "machine quiet (load 0.30 on 2 cores)" in text
+    assert "not judged" not in text
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "own", "stall", "shown"),
+    [
+        (1.6, 1.8, 0.5, 0.0, "load 1.60 on 2 cores"),  # busy before the run
+        (0.2, 2.4, 0.9, 0.0, "load 1.50 on 2 cores"),  # others' load grew during it
+        (0.2, 0.4, 0.2, 12.0, "load 0.20 on 2 cores; OS stall 12.0 ms"),  # the OS stalled us
+    ],
+)
+def test_busy_machine_judges_only_counts(
+    report: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    before: float,
+    after: float,
+    own: float,
+    stall: float,
+    shown: str,
+) -> None:
+    import _report
+    import _verdict
+
+    busy = _verdict.judge_machine(before, after, 2, own_load=own, worst_stall_ms=stall)
+    assert not busy.quiet
+    judged = _verdict.targets(report, busy)
+    raw = _verdict.targets(report)
+    for target, unjudged in zip(judged, raw, strict=True):
+        if target.kind == "count":
+            assert target == unjudged  # counts are judged on any machine
+        elif unjudged.met is not None:
+            assert target.met is None
+            assert target.verdict == f"not judged: machine busy ({shown})"
+    assert sum(target.kind == "time" for target in judged) == 5
+    # The rendered report follows the machine the run measured.
+    measured_on(report, monkeypatch, (before, after), own, stall)
+    text = _report.format_report(report)
+    assert "[not judged]" in text
+    assert f"not judged: machine busy ({shown})" in text
+    for line in text.splitlines():
+        if any(what in line for what in ("stream close p99", "tokens/s", "shutdown with")):
+            assert "met" not in line
+            assert "MISSED" not in line
+
+
+# -- every run writes its own folder and prints the paths ---------------------------
+
+
+STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ")
+
+
+def test_a_run_writes_its_folder_and_prints_the_paths(
+    bench: ModuleType,
+    report: Any,
+    disagg: ModuleType,
+    disagg_report: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``main`` as the command line runs it, on the tiny run's results (not run again)."""
+
+    async def measured(config: Any, progress: Any) -> Any:
+        return report
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "run_benchmark", measured)
+    assert bench.main(["--quick"]) == 0
+    out, err = capsys.readouterr()
+    (folder,) = (tmp_path / "bench-results").iterdir()
+    assert STAMP.fullmatch(folder.name)
+    files = ["results.json", "summary.md"]
+    try:
+        import matplotlib  # noqa: F401
+
+        files.append("latency.png")
+    except ImportError:
+        assert "no latency.png: the PNG needs matplotlib" in out
+    assert sorted(path.name for path in folder.iterdir()) == sorted(files)
+    printed = out[out.index("files:") :]
+    for name in files:
+        assert str(Path("bench-results", folder.name, name)) in printed
+    assert "done:" in err  # the progress bar went to stderr
+    data = json.loads((folder / "results.json").read_text())
+    assert len(data["targets"]) == 8
+    summary = (folder / "summary.md").read_text()
+    assert summary.startswith(f"# Cancel latency, {folder.name}")
+    assert "## Against the baselines" in summary
+    assert "## Targets" in summary
+
+    # The prefill/decode benchmark shares the folder (as `nox -s bench` has it do).
+    monkeypatch.setattr(disagg, "run_benchmark", lambda config, progress: disagg_report)
+    assert disagg.main(["--quick", "--out", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert str(folder / "disagg.json") in out
+    assert json.loads((folder / "disagg.json").read_text())["results"]
+    summary = (folder / "summary.md").read_text()
+    assert summary.startswith("# Cancel latency")
+    assert "## Prefill/decode pair" in summary
+    # Another run, another folder.
+    assert bench.main(["--quick"]) == 0
+    assert len(list((tmp_path / "bench-results").iterdir())) == 2
 
 
 def test_command_line(bench: ModuleType) -> None:
@@ -108,6 +274,16 @@ def test_command_line(bench: ModuleType) -> None:
     quick = bench.config_from_args(parser.parse_args(["--quick"]))
     assert {size for _, size in quick.grid} == {1, 100}
     assert len(quick.grid) == 10
+    assert quick.at_once_approaches == ("trio-sglang",)
+    default = bench.config_from_args(parser.parse_args([]))
+    assert {size for _, size in default.grid} == {1, 100, 1000}
+    assert default.at_once_approaches == APPROACHES  # the burst against the baselines too
+    full = bench.config_from_args(parser.parse_args(["--full"]))
+    assert {size for _, size in full.grid} == {1, 100, 1000, 10_000}
+    assert full.at_once_gc_frozen
+    assert default.steps() < full.steps()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quick", "--full"])
     chosen = bench.config_from_args(
         parser.parse_args(["--phases", "mid_stream", "--concurrency", "1,1000", "--at-once", "0"])
     )
@@ -124,6 +300,12 @@ def test_plot(bench: ModuleType, report: Any, tmp_path: Path) -> None:
     path = tmp_path / "latency.png"
     _plot.plot(report.results + report.at_once, path)
     assert path.read_bytes().startswith(b"\x89PNG")
+    fig = _plot.figure(report.results + report.at_once)
+    burst = [ax for ax in fig.axes if ax.get_title().startswith("at_once")]
+    assert len(burst) == 2
+    labels = {ax.get_ylabel() for ax in burst}
+    assert len(labels) == 2  # each at-once panel names its own measure
+    assert all(ax.get_yscale() == "linear" and len(ax.get_yticks()) >= 3 for ax in burst)
 
 
 # -- disagg_cancel.py: cancels on a prefill/decode pair, on MockClock ----------------
@@ -213,6 +395,11 @@ def test_disagg_report_renders(disagg: ModuleType, disagg_report: Any) -> None:
 def test_disagg_command_line(disagg: ModuleType) -> None:
     parser = disagg.build_parser()
     assert disagg.config_from_args(parser.parse_args(["--quick"])).workload == disagg.QUICK
+    # `nox -s bench -- --full` passes --full to both: here it is the default size.
+    assert disagg.config_from_args(parser.parse_args(["--full"])).workload == disagg.FULL
+    assert disagg.config_from_args(parser.parse_args([])).workload == disagg.FULL
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quick", "--full"])
     chosen = disagg.config_from_args(
         parser.parse_args(["--requests", "10", "--load", "0.5", "--seed", "3"])
     ).workload
