@@ -55,38 +55,22 @@ def test_the_readme_gives_the_main_job_and_the_tests_with_one_set_up() -> None:
     assert commands[1] in ci  # CI runs the test command exactly as written
 
 
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+
+
 def test_the_readme_set_up_works_where_the_system_python_forbids_pip(tmp_path: Path) -> None:
     python = externally_managed_python()
     if python is None:
         pytest.skip(f"no externally managed Python (PEP 668) among {', '.join(CANDIDATES)}")
-    refused = subprocess.run(
-        [python, "-m", "pip", "install", "--dry-run", "nox"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    refused = run([python, "-m", "pip", "install", "--dry-run", "nox"], tmp_path)
     assert refused.returncode != 0  # what the README used to tell users to run
     assert "externally-managed-environment" in refused.stdout + refused.stderr
 
     set_up = PREFIX.removesuffix(" && ").replace("python3", python, 1)
-    made = subprocess.run(
-        ["bash", "-c", set_up],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    made = run(["bash", "-c", set_up], tmp_path)
     assert made.returncode == 0, made.stderr
-    sessions = subprocess.run(
-        [str(tmp_path / ".venv" / "bin" / "python"), "-m", "nox", "--list"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    sessions = run([str(tmp_path / ".venv" / "bin" / "python"), "-m", "nox", "--list"], ROOT)
     assert sessions.returncode == 0, sessions.stderr
     assert re.search(r"^[*-] bench\b", sessions.stdout, flags=re.MULTILINE)
     assert re.search(r"^[*-] tests\b", sessions.stdout, flags=re.MULTILINE)
