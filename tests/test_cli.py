@@ -80,6 +80,14 @@ async def test_a_port_in_use_is_one_line_on_stderr() -> None:
     assert "in use" in lines[0], lines
 
 
+async def test_a_host_entry_that_is_no_host_is_one_line_on_stderr() -> None:
+    result = await run_cli("serve", "--port", "0", "--allowed-bootstrap-hosts", "[::1")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.decode().splitlines() == [
+        "trio-sglang serve: allowed_bootstrap_hosts: '[::1' is not a host or host:port"
+    ]
+
+
 @pytest.mark.parametrize(
     ("hidden", "args", "message"),
     [

@@ -115,8 +115,11 @@ def pair(log_dir: Path, prefill: Server) -> Iterator[Pair]:
 
 @pytest.fixture(scope="module")
 def lone_decode(log_dir: Path) -> Iterator[Server]:
-    """A decode server without a prefill peer: it takes requests with bootstrap fields only."""
-    decode = _start(log_dir, "lone-decode", *DECODE_ARGS)
+    """A decode server without a prefill peer: it takes requests with bootstrap fields only.
+
+    Those may name any prefill server on loopback (the router's, at whatever port).
+    """
+    decode = _start(log_dir, "lone-decode", *DECODE_ARGS, "--allowed-bootstrap-hosts", "127.0.0.1")
     try:
         yield decode
     finally:

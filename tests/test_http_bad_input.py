@@ -54,7 +54,7 @@ from hypothesis import strategies as st
 import trio_sglang as ts
 from _fuzz import fuzz_settings
 from trio_sglang import _request
-from trio_sglang.server import _openai, serve
+from trio_sglang.server import ServerLimits, _openai, serve
 from trio_sglang.server._asgi import DRAIN_BYTES, Message, read_json
 from trio_sglang.server._errors import HTTPError
 
@@ -141,7 +141,7 @@ def server() -> Iterator[LiveServer]:
                     engine,
                     port=0,
                     model=MODEL,
-                    max_body_bytes=MAX_BODY_BYTES,
+                    limits=ServerLimits(max_body_bytes=MAX_BODY_BYTES),
                     handle_signals=False,
                     shutdown=stop,
                 )

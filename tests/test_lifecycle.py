@@ -244,6 +244,59 @@ async def test_shutdown_cancels_pending_cleanup_before_the_engine_closes(
     ]
 
 
+async def test_end_grace_cancels_pending_cleanup_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A second signal's "now": the grace ends when asked, not when it runs out."""
+    engine = FaultyEngine(slow_sim(release_on_close=False), Faults(abort="ignore"))
+    policy = ts.AbortPolicy(release_timeout=30.0, shutdown_grace=60.0)
+    async with trio.open_nursery() as nursery, ts.open_worker(engine, policy=policy) as worker:
+        await read_one_chunk(worker, ts.RequestContext("r"))
+        assert worker.pending_cleanups == 1  # its abort is ignored: it waits 30 s
+        exit_started = trio.current_time()
+
+        async def second_signal() -> None:
+            await trio.sleep(2.0)
+            worker.end_grace()
+
+        nursery.start_soon(second_signal)
+    assert engine.closed_at == exit_started + 2.0
+    assert worker.pending_cleanups == 0
+
+
+async def test_end_grace_before_the_shutdown_leaves_no_grace(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = FaultyEngine(slow_sim(release_on_close=False), Faults(abort="ignore"))
+    policy = ts.AbortPolicy(release_timeout=30.0, shutdown_grace=60.0)
+    async with ts.open_worker(engine, policy=policy) as worker:
+        await read_one_chunk(worker, ts.RequestContext("r"))
+        worker.end_grace()
+        exit_started = trio.current_time()
+    assert engine.closed_at == exit_started
+
+
+async def test_an_engine_that_does_not_close_is_left_behind(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Leaving the worker always finishes: the engine's close is bounded, and logged past it."""
+
+    class StuckClose(FaultyEngine):
+        @asynccontextmanager
+        async def running(self) -> AsyncIterator[None]:
+            async with super().running():
+                yield
+                await trio.sleep_forever()  # its close never returns by itself
+
+    engine = StuckClose(slow_sim(), Faults())
+    policy = ts.AbortPolicy(engine_close_timeout=3.0)
+    async with ts.open_worker(engine, policy=policy):
+        exit_started = trio.current_time()
+    assert trio.current_time() == exit_started + 3.0
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["the engine did not close within 3.0s (engine_close_timeout); left it behind"]
+
+
 async def test_shutdown_is_immediate_when_nothing_is_pending(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

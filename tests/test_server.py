@@ -22,9 +22,11 @@ import pytest
 import trio
 
 import trio_sglang as ts
-from trio_sglang.server import serve
+from trio_sglang.server import ServerLimits, serve
 
 MODEL = "trio-sglang-sim"
+#: What httpx sends with ``json=``; a body given as bytes must say it too.
+JSON = {"content-type": "application/json"}
 
 
 @dataclass
@@ -55,7 +57,9 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
     clients: list[httpx.AsyncClient] = []
 
     async def start(**knobs: Any) -> Server:
-        options = {"max_body_bytes": knobs.pop("max_body_bytes", 1 << 20)}
+        """A server on ``SimEngine(**knobs)``; ``limits`` (or ``max_body_bytes``) to ``serve``."""
+        body_limit = ServerLimits(max_body_bytes=knobs.pop("max_body_bytes", 1 << 20))
+        options = {"limits": knobs.pop("limits", body_limit)}
         engine = ts.SimEngine(**knobs)
         stop = trio.Event()
         stops.append(stop)
@@ -146,7 +150,9 @@ async def test_completions_stream_and_not(start_server: StartServer) -> None:
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"]["completion_tokens"] == 8
     chunks = events[:-2]
-    assert len(chunks) == 8
+    # One chunk per token, unless a child's tokens came faster than they were sent (then
+    # they are coalesced, as SGLang's TokenizerManager coalesces a backlog).
+    assert len(chunks) <= 8
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
     assert server.engine.live_rids() == set()
@@ -220,7 +226,7 @@ async def test_bad_requests_get_a_clear_4xx_and_reach_nothing(
 ) -> None:
     server = await start_server(max_body_bytes=4096)
     if isinstance(body, bytes):
-        response = await server.client.post(path, content=body)
+        response = await server.client.post(path, content=body, headers=JSON)
     else:
         response = await server.client.post(path, json=body)
     assert response.status_code == status
@@ -261,7 +267,8 @@ async def test_disconnect_before_headers_reaches_nothing(start_server: StartServ
     server = await start_server()
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     await stream.send_all(
-        b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + b'{"text": "'
+        b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 100\r\n\r\n" + b'{"text": "'
     )
     await stream.aclose()
     await eventually_metric(server, "trio_sglang_cancellations_total", phase="before_headers")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import logging
 import os
+import resource
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +20,7 @@ import trio
 from ._demo import run_demo
 from ._disagg import PrefillFailed
 from ._engines import EngineOptions, open_engine
+from ._limits import API_KEY_ENV, ServerLimits
 from ._policy import AbortPolicy
 from ._version import __version__
 from .sim import SimDisaggTiming
@@ -105,18 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name",
         help="the model name clients send (default: trio-sglang-sim, or the model folder name)",
     )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        default=1 << 20,
-        help="largest request body taken; a larger one gets 413",
-    )
-    serve.add_argument(
-        "--shutdown-grace",
-        type=_seconds,
-        default=AbortPolicy().shutdown_grace,
-        help="seconds that open streams and pending engine-side cleanup get at shutdown",
-    )
+    _add_limits(serve)
     disagg = serve.add_argument_group(
         "prefill/decode disaggregation (the roles of sglang-router's --pd-disaggregation)"
     )
@@ -195,8 +187,135 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_limits(serve: argparse.ArgumentParser) -> None:
+    """What a client can make the server hold, and the shutdown: every bound with its default."""
+    limits, policy = ServerLimits(), AbortPolicy()
+    edge = serve.add_argument_group("connections (seconds, or counts)")
+    edge.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=limits.max_connections,
+        help="connections held at once; past it new ones wait in the kernel's queue "
+        "(lowered to fit the file-descriptor limit, which is raised to its hard limit at start)",
+    )
+    edge.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=limits.keep_alive_timeout,
+        help="an idle connection, or one whose request headers have not all arrived, is "
+        "closed after this",
+    )
+    edge.add_argument(
+        "--request-read-timeout",
+        type=_seconds,
+        default=limits.request_read_timeout,
+        help="a request body must arrive within this of its headers, else 408",
+    )
+    edge.add_argument(
+        "--client-stall-timeout",
+        type=_seconds,
+        default=limits.client_stall_timeout,
+        help="a client that takes no bytes of its response for this long is gone: its "
+        "request stops and its connection is reset",
+    )
+    edge.add_argument(
+        "--max-unsent-tokens",
+        type=_positive_int,
+        default=limits.max_unsent_tokens,
+        help="tokens a streaming response holds for a client that is behind (sent coalesced "
+        "when it catches up); a client further behind is gone",
+    )
+    admission = serve.add_argument_group("requests (refused before they reach the engine)")
+    admission.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=limits.max_body_bytes,
+        help="largest request body taken; a larger one gets 413",
+    )
+    admission.add_argument(
+        "--max-running-requests",
+        type=_positive_int,
+        default=limits.max_running_requests,
+        help="generation requests in flight at once; past it, 503 with Retry-After",
+    )
+    admission.add_argument(
+        "--max-children-per-request",
+        type=_positive_int,
+        default=limits.max_children_per_request,
+        help="prompts times n in one request",
+    )
+    admission.add_argument(
+        "--max-rid-length",
+        type=_positive_int,
+        default=limits.max_rid_length,
+        help="characters in a /generate rid",
+    )
+    admission.add_argument(
+        "--context-length",
+        type=_positive_int,
+        help="prompt plus max_tokens, in tokens (default: the engine's)",
+    )
+    access = serve.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every route but /health and the KV "
+        f"rooms; a decode server sends it to its --prefill-url server too (default: "
+        f"${API_KEY_ENV} if set, else none)",
+    )
+    access.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        metavar="HOST",
+        help="Host headers accepted, as host or host:port (default: any); against DNS "
+        "rebinding when the server is reachable from a browser",
+    )
+    access.add_argument(
+        "--allowed-bootstrap-hosts",
+        nargs="+",
+        metavar="HOST",
+        help="a decode server's prefill bootstrap addresses (host or host:port) that a "
+        "request's bootstrap_host may name, beside --prefill-url's (default: none)",
+    )
+    stopping = serve.add_argument_group("shutdown (seconds; a second SIGINT/SIGTERM: at once)")
+    stopping.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=policy.shutdown_grace,
+        help="open streams and pending engine-side cleanup get this at shutdown, then "
+        "connections still open are reset",
+    )
+    stopping.add_argument(
+        "--engine-close-timeout",
+        type=_seconds,
+        default=policy.engine_close_timeout,
+        help="then the engine gets this to close, or is left behind",
+    )
+
+
+def _server_limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(
+        max_connections=args.max_connections,
+        keep_alive_timeout=args.keep_alive_timeout,
+        request_read_timeout=args.request_read_timeout,
+        client_stall_timeout=args.client_stall_timeout,
+        max_unsent_tokens=args.max_unsent_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_running_requests=args.max_running_requests,
+        max_children_per_request=args.max_children_per_request,
+        max_rid_length=args.max_rid_length,
+        context_length=args.context_length,
+        api_key=args.api_key or None,
+        allowed_hosts=tuple(args.allowed_hosts or ()),
+        allowed_bootstrap_hosts=tuple(args.allowed_bootstrap_hosts or ()),
+    )
+
+
 #: How a shell reports a program that SIGPIPE ended (128 + 13), as ``demo | head`` expects.
 _BROKEN_PIPE_STATUS = 141
+#: Descriptors left for everything but client connections: the engine, the
+#: listeners, logs, the prefill peer's connections.
+_DESCRIPTORS_KEPT = 128
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,7 +348,7 @@ def _refuse(message: str) -> int:
 def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("trio_sglang").setLevel(logging.INFO)
     try:
-        from .server import HTTPPrefill, ListenError
+        from .server import ForcedShutdown, HTTPPrefill, ListenError
     except ImportError as exc:
         return _refuse(
             f"trio-sglang serve needs the serve extra: pip install 'trio-sglang[serve]' ({exc})"
@@ -245,26 +364,63 @@ def _serve(args: argparse.Namespace) -> int:
         return _refuse("--prefill-url is for a decode worker: add --disaggregation-mode decode")
     if args.prefill_bootstrap_port is not None and args.prefill_url is None:
         return _refuse("--prefill-bootstrap-port goes with --prefill-url")
+    try:
+        limits = _fit_to_descriptors(_server_limits(args))
+    except ValueError as exc:  # an allow-list entry that is no host
+        return _refuse(f"trio-sglang serve: {exc}")
     prefill = None
     if args.prefill_url is not None:
         try:
-            prefill = HTTPPrefill(args.prefill_url, bootstrap_port=args.prefill_bootstrap_port)
+            prefill = HTTPPrefill(
+                args.prefill_url, bootstrap_port=args.prefill_bootstrap_port, api_key=limits.api_key
+            )
         except ValueError as exc:
             return _refuse(f"--prefill-url: {exc}")
     # Everything imported so far lives as long as the process: out of the
     # collector's sight, a full collection under load walks far fewer objects
     # (its pauses are what a disconnect waits for at p99).
     gc.freeze()
-    # Both come at startup, nested in nurseries; anything else (KeyboardInterrupt
-    # included) goes on up as it is.
+    # The first two come at startup, nested in nurseries; the last after a
+    # second signal, once all is closed. Anything else goes on up as it is.
     refusal: str | None = None
+    forced: int | None = None
     try:
-        trio.run(_serve_until_stopped, args, prefill)
+        trio.run(_serve_until_stopped, args, limits, prefill)
     except* PrefillFailed as failed:  # the prefill server's first check
         refusal = f"the prefill server is not usable: {_first(failed)}"
     except* ListenError as failed:  # a port in use, an address not on this machine
         refusal = str(_first(failed))
-    return 0 if refusal is None else _refuse(refusal)
+    except* ForcedShutdown as stopped:
+        signum = _first(stopped)
+        assert isinstance(signum, ForcedShutdown)
+        forced = 128 + signum.signum  # as a shell reports a program a signal ended
+    if refusal is not None:
+        return _refuse(refusal)
+    return 0 if forced is None else forced
+
+
+def _fit_to_descriptors(limits: ServerLimits) -> ServerLimits:
+    """Raise the soft file-descriptor limit to the hard one (as SGLang's server does).
+
+    Then lower ``max_connections`` to what it leaves, so that a flood of
+    clients waits in the kernel's queue instead of starving the engine, the
+    logs and ``/health`` of descriptors.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # a hard limit past the kernel's cap
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    fits = max(1, soft - _DESCRIPTORS_KEPT)
+    if soft == resource.RLIM_INFINITY or limits.max_connections <= fits:
+        return limits
+    logging.getLogger("trio_sglang.server").warning(
+        "--max-connections %d lowered to %d to fit the file-descriptor limit (%d)",
+        limits.max_connections,
+        fits,
+        soft,
+    )
+    return dataclasses.replace(limits, max_connections=fits)
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -275,7 +431,9 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return found
 
 
-async def _serve_until_stopped(args: argparse.Namespace, prefill: HTTPPrefill | None) -> None:
+async def _serve_until_stopped(
+    args: argparse.Namespace, limits: ServerLimits, prefill: HTTPPrefill | None
+) -> None:
     """The engine, and what one side of a disaggregated pair needs, around the server."""
     from .server import serve
 
@@ -288,8 +446,10 @@ async def _serve_until_stopped(args: argparse.Namespace, prefill: HTTPPrefill | 
             host=args.host,
             port=args.port,
             model=args.served_model_name or _default_model_name(args),
-            policy=AbortPolicy(shutdown_grace=args.shutdown_grace),
-            max_body_bytes=args.max_body_bytes,
+            policy=AbortPolicy(
+                shutdown_grace=args.shutdown_grace, engine_close_timeout=args.engine_close_timeout
+            ),
+            limits=limits,
             prefill=prefill,
             kv_rooms=hosted,
         )

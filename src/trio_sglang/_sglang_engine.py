@@ -129,6 +129,8 @@ class SGLangEngine:
             version = None
         fields = {f.name for f in dataclasses.fields(ReqState)}
         mode = getattr(getattr(self._tm, "server_args", None), "disaggregation_mode", None)
+        # The model's context length, which the tokenizer manager checks every request against.
+        context_len = getattr(self._tm, "context_len", None)
         return {
             "kind": "sglang",
             "sglang_version": version,
@@ -139,6 +141,7 @@ class SGLangEngine:
             "batch_parallel_sampling": True,
             # SGLang says "null" for an aggregated server.
             "disaggregation_mode": mode if mode in ("prefill", "decode") else None,
+            **({"context_length": context_len} if isinstance(context_len, int) else {}),
         }
 
     def generate(self, request: Mapping[str, Any]) -> _SGLangStream:

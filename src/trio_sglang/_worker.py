@@ -211,6 +211,8 @@ class Worker:
         self._open: set[ResponseStream] = set()
         #: Set by the shutdown; fires when the last open stream has closed.
         self._all_closed: trio.Event | None = None
+        #: The shutdown grace's wait for open streams; ``end_grace`` cancels it.
+        self._grace = trio.CancelScope(shield=True)
 
     @property
     def engine(self) -> Engine:
@@ -354,17 +356,29 @@ class Worker:
 
     # -- shutdown ------------------------------------------------------------
 
+    def end_grace(self) -> None:
+        """Cut the shutdown grace short, as a second signal asks; idempotent.
+
+        Open streams are no longer waited for and pending cleanup is cancelled
+        at once (now, or as soon as the shutdown begins); the engine still
+        closes after, which stops whatever it still runs.
+        """
+        self._grace.cancel()
+        if self._all_closed is not None:  # the shutdown has begun
+            self._cleanups.close(trio.current_time())
+
     async def _shutdown(self) -> None:
         """End open streams; give them and the cleanup the grace as one deadline."""
         deadline = trio.current_time() + self._policy.shutdown_grace
+        self._grace.deadline = deadline
         self._all_closed = trio.Event()
         for stream in list(self._open):
             stream._scope.cancel()
         if self._open:
             # Their callers hand the engine side over as their blocks exit.
-            with trio.CancelScope(deadline=deadline, shield=True):
+            with self._grace:
                 await self._all_closed.wait()
-        self._cleanups.close(deadline)
+        self._cleanups.close(trio.current_time() if self._grace.cancel_called else deadline)
 
 
 @asynccontextmanager
@@ -387,26 +401,39 @@ async def open_worker(
     ``policy.shutdown_grace`` seconds and is then cancelled, and only after
     that does the engine close. Shutdown takes at most the grace plus the time
     cancelled cleanup needs to finish a stream close already in progress
-    (``policy.close_timeout``).
+    (``policy.close_timeout``), plus the engine's close, itself bounded by
+    ``policy.engine_close_timeout``. ``Worker.end_grace()`` cuts the grace
+    short.
     """
     policy = AbortPolicy() if policy is None else policy
     if not isinstance(policy, AbortPolicy):
         raise TypeError(f"policy must be an AbortPolicy, got {type(policy).__name__}")
     if prefill is not None and role_of(engine.features()) != "decode":
         raise ValueError("prefill= is for a worker whose engine is in decode mode")
-    async with engine.running():
-        cancel_anytime = prefill is not None and await peer_cancels_anytime(prefill)
-        async with open_cleanup_group() as cleanups:
-            worker = Worker(engine, policy, cleanups, observer, prefill, cancel_anytime)
+    with trio.CancelScope() as closing:
+        async with engine.running():
             try:
-                yield worker
+                cancel_anytime = prefill is not None and await peer_cancels_anytime(prefill)
+                async with open_cleanup_group() as cleanups:
+                    worker = Worker(engine, policy, cleanups, observer, prefill, cancel_anytime)
+                    try:
+                        yield worker
+                    finally:
+                        await worker._shutdown()
+                cut = worker._engine_cleanup.cut_at_close
+                if cut:
+                    logger.warning(
+                        "%d engine-side cleanups were still running after the %ss shutdown "
+                        "grace and were cancelled; the engine closes with them",
+                        cut,
+                        policy.shutdown_grace,
+                    )
             finally:
-                await worker._shutdown()
-        cut = worker._engine_cleanup.cut_at_close
-        if cut:
-            logger.warning(
-                "%d engine-side cleanups were still running after the %ss shutdown grace "
-                "and were cancelled; the engine closes with them",
-                cut,
-                policy.shutdown_grace,
-            )
+                # From here on the engine closes; bounded, so that leaving the
+                # worker always finishes.
+                closing.deadline = trio.current_time() + policy.engine_close_timeout
+    if closing.cancelled_caught:
+        logger.error(
+            "the engine did not close within %ss (engine_close_timeout); left it behind",
+            policy.engine_close_timeout,
+        )

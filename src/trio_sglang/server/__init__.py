@@ -12,19 +12,21 @@ SimEngine serves its KV rooms (``serve(kv_rooms=...)``) and a decode
 SimEngine reaches them with ``open_http_kv_rooms()``.
 """
 
-from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
+from .._limits import ServerLimits
+from ._app import ServerApp
 from ._http import ListenError
 from ._kv_rooms import HTTPKVRooms, open_http_kv_rooms
 from ._metrics import ServerMetrics
 from ._prefill_peer import HTTPPrefill
-from ._run import serve
+from ._run import ForcedShutdown, serve
 
 __all__ = [
-    "DEFAULT_MAX_BODY_BYTES",
+    "ForcedShutdown",
     "HTTPKVRooms",
     "HTTPPrefill",
     "ListenError",
     "ServerApp",
+    "ServerLimits",
     "ServerMetrics",
     "open_http_kv_rooms",
     "serve",

@@ -17,9 +17,12 @@ from typing import Any
 import trio
 
 from .._context import RequestContext
+from .._disagg import PrefillPeer
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._kv_rooms import HostedKVRooms
-from .._worker import Worker
+from .._limits import ServerLimits
+from .._worker import ResponseStream, Worker
+from ._admission import Admission
 from ._asgi import (
     SSE_DONE,
     ClientGone,
@@ -33,19 +36,18 @@ from ._asgi import (
     sse_event,
     start_sse,
 )
+from ._connection import DropReason, current_connection
 from ._errors import HTTPError, error_body
 from ._kv_rooms import ROOMS_PATH, KVRoomsApp
 from ._metrics import Outcome, ServerMetrics
 from ._native import NativePlan
 from ._openai import ChatPlan, CompletionPlan
+from ._outbox import Outbox
 from ._plan import Plan
 
 __all__ = ["ServerApp"]
 
 logger = logging.getLogger("trio_sglang.server")
-
-#: Bodies over this many bytes get 413 unless the server is told otherwise.
-DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 class ServerApp:
@@ -55,13 +57,22 @@ class ServerApp:
         metrics: ServerMetrics,
         *,
         model: str,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        limits: ServerLimits | None = None,
         kv_rooms: HostedKVRooms | None = None,
+        prefill: PrefillPeer | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
         self.model = model
-        self.max_body_bytes = max_body_bytes
+        self.limits = ServerLimits() if limits is None else limits
+        context_length = worker.engine.features().get("context_length")
+        self._admission = Admission(
+            self.limits,
+            metrics,
+            context_length=context_length if isinstance(context_length, int) else None,
+            decode=worker.capabilities()["role"] == "decode",
+            prefill=prefill,
+        )
         self.created = int(time.time())
         self._closing = False
         self._contexts: set[RequestContext] = set()
@@ -106,8 +117,16 @@ class ServerApp:
             "/model_info": self._model_info,
             "/get_model_info": self._model_info,
         }
-        if self._rooms is not None and path.startswith(ROOMS_PATH):
-            await self._rooms(scope, receive, send)
+        rooms = self._rooms if path.startswith(ROOMS_PATH) else None
+        try:
+            # /health is for load balancers, which send no key; the rooms are for
+            # the decode side's HTTPKVRooms, which has no key to send.
+            self._admission.check_access(scope, needs_key=path != "/health" and rooms is None)
+        except HTTPError as exc:
+            await send_json(send, exc.status, exc.body(), exc.headers)
+            return
+        if rooms is not None:
+            await rooms(scope, receive, send)
         elif path in posts and method == "POST":
             await self._generate(path, posts[path], scope, receive, send)
         elif path in gets and method in ("GET", "HEAD"):
@@ -175,15 +194,20 @@ class ServerApp:
         send: Send,
     ) -> None:
         try:
-            plan = parse(await read_json(scope, receive, self.max_body_bytes))
+            self._admission.check_content_type(scope)
+            body = await self._read_body(scope, receive)
+            plan = parse(body)
+            self._admission.check_request(endpoint, body, plan.native)
             if self._closing:
                 raise HTTPError(503, "the server is shutting down", kind="server_error")
+            # Every request in flight holds a context, from here to its last byte.
+            self._admission.check_load(len(self._contexts))
         except ClientGone:
             self._count(endpoint, "cancelled", phase="before_headers")
             return
         except HTTPError as exc:
             self._count(endpoint, "rejected")
-            await send_json(send, exc.status, exc.body())
+            await send_json(send, exc.status, exc.body(), exc.headers)
             return
         ctx = RequestContext(plan.public_id)
         self._contexts.add(ctx)
@@ -199,6 +223,19 @@ class ServerApp:
             phase = "mid_stream" if plan.children else "before_first_token"
         self._count(endpoint, outcome, phase=phase)
 
+    async def _read_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        """The JSON body, within ``request_read_timeout`` of the headers (408 after it)."""
+        timeout = self.limits.request_read_timeout
+        with trio.move_on_after(timeout):
+            return await read_json(scope, receive, self.limits.max_body_bytes)
+        # The rest of the body may still be coming: the connection cannot be
+        # reused, and hypercorn closes it after this answer.
+        raise HTTPError(
+            408,
+            f"the request body did not arrive within {timeout}s",
+            headers=[(b"connection", b"close")],
+        )
+
     async def _watch_disconnect(self, receive: Receive, ctx: RequestContext) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
@@ -212,11 +249,10 @@ class ServerApp:
                 if plan.stream:
                     await start_sse(send)
                     started = True
-                async for out in chunks:
-                    index, _ = plan.add(out)
-                    if plan.stream:
-                        for event in plan.events(index, out):
-                            await send_sse(send, sse_event(event))
+                    await self._stream(plan, chunks, ctx, send)
+                else:
+                    async for out in chunks:
+                        plan.add(out)
         except InvalidRequest as exc:
             await send_json(send, 400, error_body(str(exc), code=400))
             return "rejected"
@@ -243,6 +279,47 @@ class ServerApp:
             await send_json(send, 200, plan.body())
         return "completed"
 
+    async def _stream(
+        self, plan: Plan, chunks: ResponseStream, ctx: RequestContext, send: Send
+    ) -> None:
+        """Send the outputs as SSE events at the client's pace; see ``Outbox``.
+
+        The engine is read by a task of its own, so that a client that is slow
+        to take its bytes never leaves outputs piling up at the engine: they
+        wait in the outbox, coalesced, within its bound. A client that takes no
+        bytes within the stall timeout, or falls behind past the bound, is gone.
+        """
+        outbox = Outbox(self.limits.max_unsent_tokens)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_engine, chunks, outbox, ctx)
+            while held := await outbox.take():
+                events: list[bytes] = []
+                for out in held:
+                    index, _ = plan.add(out)
+                    events.extend(sse_event(event) for event in plan.events(index, out))
+                # The connection bounds each write too; this bound is for what
+                # waits before the socket (HTTP/2's flow control).
+                with trio.move_on_after(self.limits.client_stall_timeout) as bound:
+                    await send_sse(send, b"".join(events))
+                if bound.cancelled_caught:
+                    _drop_client(ctx, "stalled")
+                    break
+            nursery.cancel_scope.cancel()
+        if outbox.error is not None:  # raised here, not in the nursery: as itself, not a group
+            raise outbox.error
+
+    @staticmethod
+    async def _read_engine(chunks: ResponseStream, outbox: Outbox, ctx: RequestContext) -> None:
+        try:
+            async for out in chunks:
+                outbox.put(out)
+                if outbox.behind:
+                    _drop_client(ctx, "behind")
+        except Exception as exc:  # raised by the sender, once it has sent what came before
+            outbox.close(exc)
+        else:
+            outbox.close()
+
     async def _fail(self, send: Send, started: bool, status: int, message: str) -> None:
         kind = "server_error"
         if not started:
@@ -255,3 +332,11 @@ class ServerApp:
         self.metrics.requests.labels(endpoint, outcome).inc()
         if phase is not None:
             self.metrics.cancellations.labels(phase).inc()
+
+
+def _drop_client(ctx: RequestContext, reason: DropReason) -> None:
+    """The client is gone, though connected: stop its request and reset its connection."""
+    ctx.kill()
+    connection = current_connection()
+    if connection is not None:
+        connection.drop(reason)

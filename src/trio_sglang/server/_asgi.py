@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, NoReturn
 
 from ._errors import HTTPError
@@ -88,10 +88,16 @@ def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", content_type), (b"cache-control", b"no-cache")]
 
 
-async def send_json(send: Send, status: int, data: object) -> None:
+async def send_json(
+    send: Send, status: int, data: object, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     body = json.dumps(data).encode()
     await send(
-        {"type": "http.response.start", "status": status, "headers": _headers(b"application/json")}
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*_headers(b"application/json"), *headers],
+        }
     )
     await send({"type": "http.response.body", "body": body})
 

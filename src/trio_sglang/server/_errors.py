@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["HTTPError", "error_body"]
@@ -17,12 +18,15 @@ class HTTPError(Exception):
         *,
         kind: str = "invalid_request_error",
         param: str | None = None,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
         self.param = param
+        #: Response headers beside the JSON ones (``WWW-Authenticate``, ``Retry-After``).
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, kind=self.kind, param=self.param, code=self.status)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sized
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,10 +19,21 @@ from prometheus_client.registry import Collector
 from .._faults import EngineFault
 from .._worker import Worker
 
-__all__ = ["CancelPhase", "CountsEvents", "ServerMetrics"]
+__all__ = ["CancelPhase", "CountsEvents", "RefusalReason", "ServerMetrics"]
 
 CancelPhase = Literal["before_headers", "before_first_token", "mid_stream"]
 Outcome = Literal["completed", "cancelled", "rejected", "failed", "shutdown"]
+#: Why the server's admission refused a request before the engine saw it (``_admission.py``).
+RefusalReason = Literal[
+    "unauthorized",
+    "unsupported_media_type",
+    "host_not_allowed",
+    "overloaded",
+    "too_many_children",
+    "rid_too_long",
+    "context_length",
+    "bootstrap_not_allowed",
+]
 
 
 @runtime_checkable
@@ -52,6 +63,14 @@ class ServerMetrics:
             ["endpoint", "outcome"],
             registry=self.registry,
         )
+        self.requests_refused = Counter(
+            "trio_sglang_requests_refused",
+            "Requests refused before the engine saw them, by reason (see RefusalReason).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in get_args(RefusalReason):  # every series exists at once, at zero
+            self.requests_refused.labels(reason)
         self.cancellations = Counter(
             "trio_sglang_cancellations",
             "Requests whose client went away, by how far the response had got.",
@@ -77,6 +96,15 @@ class ServerMetrics:
             "trio_sglang_engine_faults",
             "Engine faults the worker worked around or could not, by kind (see EngineFault).",
             ["kind"],
+            registry=self.registry,
+        )
+        self.clients_dropped = Counter(
+            "trio_sglang_clients_dropped",
+            "Connections the server reset, by reason: stalled (took no bytes within the "
+            "stall timeout), behind (further behind its stream than the server holds), "
+            "idle (no request in flight when the server needed room for a new connection), "
+            "shutdown (still open when the shutdown grace ended).",
+            ["reason"],
             registry=self.registry,
         )
         self.cleanup_tasks = Gauge(
@@ -121,6 +149,9 @@ class ServerMetrics:
 
     def engine_fault(self, kind: EngineFault) -> None:
         self.engine_faults.labels(kind).inc()
+
+    def refused(self, reason: RefusalReason) -> None:
+        self.requests_refused.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -33,6 +33,7 @@ class HTTPPrefill:
     ``prefill_timeout`` bounds one leg from request to answer (a leg can
     queue behind others: SGLang's own bootstrap and KV waits default to
     300 s); ``timeout`` bounds connecting, and the whole of ``capabilities``.
+    ``api_key``: the prefill server's ``--api-key``, sent as a bearer token.
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class HTTPPrefill:
         bootstrap_port: int | None = None,
         prefill_timeout: float = 300.0,
         timeout: float = 5.0,
+        api_key: str | None = None,
     ) -> None:
         base = httpx.URL(url)
         if base.scheme not in _DEFAULT_PORTS or not base.host:
@@ -59,6 +61,7 @@ class HTTPPrefill:
             timeout=httpx.Timeout(timeout, read=None),
             limits=httpx.Limits(max_connections=None),
             trust_env=False,
+            headers={} if api_key is None else {"authorization": f"Bearer {api_key}"},
         )
 
     async def __aenter__(self) -> HTTPPrefill:

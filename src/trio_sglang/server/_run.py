@@ -5,13 +5,18 @@ entered first; the HTTP server (and the nursery its handlers run in) is
 started after them and stopped before them. On SIGINT or SIGTERM the app
 stops taking requests and ends every response (their engine-side cleanup
 goes on in the worker), hypercorn closes its connections, and then leaving
-the worker gives pending cleanup its grace before the engine closes.
+the worker gives pending cleanup its grace before the engine closes. A
+second signal means "now": the grace ends at once (connections are reset,
+pending cleanup is cancelled), the engine still closes, and ``serve``
+raises ``ForcedShutdown``.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
+from functools import partial
 
 import trio
 from hypercorn.config import Config
@@ -19,15 +24,24 @@ from hypercorn.config import Config
 from .._disagg import PrefillPeer
 from .._engine import Engine
 from .._kv_rooms import HostedKVRooms
+from .._limits import ServerLimits
 from .._policy import AbortPolicy
 from .._worker import Worker, open_worker
-from ._app import DEFAULT_MAX_BODY_BYTES, ServerApp
-from ._http import serve_http
+from ._app import ServerApp
+from ._http import HTTPServer
 from ._metrics import ServerMetrics
 
-__all__ = ["serve"]
+__all__ = ["ForcedShutdown", "serve"]
 
 logger = logging.getLogger("trio_sglang.server")
+
+
+class ForcedShutdown(Exception):
+    """A second SIGINT or SIGTERM cut the shutdown grace short; raised once all is closed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by a second {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 async def serve(
@@ -37,7 +51,7 @@ async def serve(
     port: int = 8000,
     model: str = "trio-sglang",
     policy: AbortPolicy | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
     handle_signals: bool = True,
     shutdown: trio.Event | None = None,
     prefill: PrefillPeer | None = None,
@@ -47,13 +61,16 @@ async def serve(
     """Serve until SIGINT/SIGTERM (or ``shutdown`` is set); reports the bound URLs.
 
     ``task_status.started`` receives the URLs the server listens on (useful
-    with ``port=0``). Prefill/decode disaggregation: ``prefill`` is a decode
+    with ``port=0``). ``limits`` bounds what clients can make the server hold
+    (``ServerLimits``); the shutdown grace and the engine's close are
+    ``policy``'s. Prefill/decode disaggregation: ``prefill`` is a decode
     worker's prefill peer (``open_worker(prefill=...)``, e.g. ``HTTPPrefill``);
     ``kv_rooms``, the rooms of a prefill ``SimEngine`` (its ``SimKVRooms``),
     is served to decode servers under ``/bootstrap/rooms/`` (SGLang's
     bootstrap server, on this server's HTTP port; see ``_kv_rooms.py``).
     """
     shutdown = trio.Event() if shutdown is None else shutdown
+    limits = ServerLimits() if limits is None else limits
     metrics = ServerMetrics()
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -65,26 +82,27 @@ async def serve(
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through logging, once
     config.graceful_timeout = 1.0  # streams are already ended by then
-    async with open_worker(engine, policy=policy, observer=metrics, prefill=prefill) as worker:
-        app = ServerApp(
-            worker, metrics, model=model, max_body_bytes=max_body_bytes, kv_rooms=kv_rooms
-        )
-        async with trio.open_nursery() as nursery:
-
-            async def http(task_status: trio.TaskStatus[list[str]]) -> None:
-                try:
-                    await serve_http(app, config, shutdown, task_status=task_status)
-                finally:  # the connections are done: stop watching signals
-                    nursery.cancel_scope.cancel()
-
-            if handle_signals:
-                nursery.start_soon(_signals_set, shutdown)
-            urls: list[str] = await nursery.start(http)
-            # The URL right after "on", where scripts look for it (the tests'
-            # and the load benchmark's `serving \S+ on (http://\S+)`).
-            logger.info("serving %s on %s (%s)", model, ", ".join(urls), _describe(worker))
-            task_status.started(urls)
-        logger.info("HTTP server stopped; finishing engine-side cleanup")
+    config.keep_alive_timeout = limits.keep_alive_timeout
+    signals = _Signals(shutdown)
+    async with trio.open_nursery() as watching:
+        if handle_signals:  # from the start to the engine's close: a second one is never lost
+            watching.start_soon(signals.watch)
+        async with open_worker(engine, policy=policy, observer=metrics, prefill=prefill) as worker:
+            app = ServerApp(
+                worker, metrics, model=model, limits=limits, kv_rooms=kv_rooms, prefill=prefill
+            )
+            http = HTTPServer(app, config, limits)
+            signals.on_hurry(http.hurry, worker.end_grace)
+            async with trio.open_nursery() as serving:
+                urls: list[str] = await serving.start(partial(http.run, shutdown))
+                # The URL right after "on", where scripts look for it (the tests'
+                # and the load benchmark's `serving \S+ on (http://\S+)`).
+                logger.info("serving %s on %s (%s)", model, ", ".join(urls), _describe(worker))
+                task_status.started(urls)
+            logger.info("HTTP server stopped; finishing engine-side cleanup")
+        watching.cancel_scope.cancel()
+    if signals.forced is not None:
+        raise ForcedShutdown(signals.forced)
 
 
 def _describe(worker: Worker) -> str:
@@ -93,9 +111,34 @@ def _describe(worker: Worker) -> str:
     return f"role {capabilities['role']}, engine {capabilities['engine']['kind']}"
 
 
-async def _signals_set(event: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            logger.info("received %s: shutting down", signal.Signals(signum).name)
-            event.set()
-            return
+class _Signals:
+    """SIGINT and SIGTERM: the first sets ``shutdown``, a second one calls the hurry hooks.
+
+    Watched until the engine has closed, so that no signal ever meets
+    Python's default handler (a traceback, or death by SIGTERM mid-cleanup).
+    """
+
+    def __init__(self, shutdown: trio.Event) -> None:
+        self.shutdown = shutdown
+        self.forced: int | None = None
+        self._hooks: list[Callable[[], None]] = []
+
+    def on_hurry(self, *hooks: Callable[[], None]) -> None:
+        self._hooks.extend(hooks)
+
+    async def watch(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+            async for signum in received:
+                name = signal.Signals(signum).name
+                if not self.shutdown.is_set():
+                    logger.info("received %s: shutting down (a second signal: at once)", name)
+                    self.shutdown.set()
+                elif self.forced is None:
+                    logger.warning(
+                        "received %s again: ending the shutdown grace now; open "
+                        "connections are reset and pending cleanup is cancelled",
+                        name,
+                    )
+                    self.forced = signum
+                    for hook in self._hooks:
+                        hook()

@@ -52,6 +52,11 @@ class SimEngine:
     sides share a ``SimKVRooms`` (the bootstrap server and the KV transfer)
     and their timing is ``disagg_timing`` (see ``sim/_disagg.py`` for the
     queues and how each one takes an abort).
+
+    ``context_length`` is the model's context length that ``features()``
+    reports, as SGLang's tokenizer manager has one: a server refuses a request
+    that cannot fit in it before the engine sees it (the simulator itself
+    does not check it).
     """
 
     #: The SGLang release whose behaviour this models.
@@ -69,6 +74,7 @@ class SimEngine:
         disaggregation_mode: DisaggregationMode | None = None,
         kv_rooms: KVRooms | None = None,
         disagg_timing: SimDisaggTiming | None = None,
+        context_length: int = 32768,
     ) -> None:
         for name, flag in (("release_on_close", release_on_close), ("keep_trace", keep_trace)):
             if not isinstance(flag, bool):
@@ -83,6 +89,9 @@ class SimEngine:
                 "a disaggregated SimEngine needs kv_rooms: one SimKVRooms shared "
                 "with its prefill or decode peer"
             )
+        if not isinstance(context_length, int) or context_length < 1:
+            raise ValueError(f"context_length must be an int >= 1, got {context_length!r}")
+        self.context_length = context_length
         self.timing = SimTiming(tokenize_delay, dispatch_delay, first_token_delay, token_interval)
         self.disaggregation_mode = disaggregation_mode
         self.disagg_timing = SimDisaggTiming() if disagg_timing is None else disagg_timing
@@ -136,6 +145,7 @@ class SimEngine:
             "release_on_close": self._tm.release_on_close,
             "batch_parallel_sampling": True,
             "disaggregation_mode": self.disaggregation_mode,
+            "context_length": self.context_length,
         }
 
     def generate(self, request: Mapping[str, Any]) -> SimStream:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import uuid
 import zlib
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import trio
 
 from .._engine import RequestPhase
+from .._increments import IncrementQueue
 from .._kv_rooms import BootstrapAddr
 from ._scheduler import VOCAB_SIZE, OutputSink, SimScheduler, SimTiming
 from ._trace import Trace
@@ -197,7 +197,8 @@ class SimStream:
         self._submitted = False
         self._unfinished = 0
         self._states: list[ReqState] = []
-        self._outputs: deque[dict[str, Any]] = deque()
+        # A child's backlog is handed over as one output, as SGLang's TokenizerManager does.
+        self._outputs = IncrementQueue()
         self._lot = trio.lowlevel.ParkingLot()
 
     def __aiter__(self) -> SimStream:
@@ -262,7 +263,7 @@ class SimStream:
     def _deliver(self, state: ReqState, out: dict[str, Any]) -> None:
         if self._closed:
             return
-        self._outputs.append(out)
+        self._outputs.put(out)
         if out["meta_info"]["finish_reason"] is not None:
             self._unfinished -= 1
         self._lot.unpark_all()

@@ -1,0 +1,103 @@
+"""``ServerLimits``: every resource a client can make the server hold, and its bound.
+
+One frozen record, so that the CLI, ``serve`` and the tests agree on the
+defaults, and ``trio-sglang serve --help`` shows each of them. The defaults
+suit a server on a trusted network in front of one engine; docs/serving.md
+says what each one costs and when to change it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["API_KEY_ENV", "Address", "ServerLimits", "parse_address"]
+
+#: ``(host, port)``, the host lower-case and without brackets; no port: any port.
+Address = tuple[str, int | None]
+
+#: Where ``trio-sglang serve`` reads the API key when ``--api-key`` is not given
+#: (a key on the command line is visible to every user of the machine).
+API_KEY_ENV = "TRIO_SGLANG_API_KEY"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Bounds on connections, requests and clients; durations in seconds."""
+
+    # -- connections --------------------------------------------------------
+    #: Connections held at once. Past it the server stops accepting (new
+    #: clients wait in the kernel's accept queue); lowered at start to fit
+    #: the file-descriptor limit.
+    max_connections: int = 4096
+    #: An idle keep-alive connection, or one whose request headers have not
+    #: all arrived, is closed after this long.
+    keep_alive_timeout: float = 5.0
+    #: A request's body must arrive within this long of its headers; a slower
+    #: one gets 408 and its connection is closed.
+    request_read_timeout: float = 30.0
+    #: A client that accepts no bytes of its response for this long is gone:
+    #: its request is stopped at the engine and its connection is closed.
+    client_stall_timeout: float = 10.0
+    #: Tokens a streaming response may hold produced but not yet sent (they are
+    #: coalesced into fewer, larger events while the client is behind). A
+    #: client further behind than this is gone, as a stalled one is.
+    max_unsent_tokens: int = 4096
+
+    # -- admission ----------------------------------------------------------
+    #: Largest request body taken; a larger one gets 413.
+    max_body_bytes: int = 1 << 20
+    #: Generation requests in flight at once; past it, 503 with Retry-After.
+    max_running_requests: int = 2048
+    #: Prompts times ``n`` in one request.
+    max_children_per_request: int = 256
+    #: Characters in a caller's ``rid`` (each entry of a list of them).
+    max_rid_length: int = 256
+    #: Prompt plus ``max_tokens``, in tokens; ``None`` takes the engine's.
+    context_length: int | None = None
+
+    # -- access -------------------------------------------------------------
+    #: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+    api_key: str | None = None
+    #: When not empty, the Host header must name one of these (host or host:port).
+    allowed_hosts: tuple[str, ...] = ()
+    #: A decode server's prefill bootstrap addresses (host or host:port) that a
+    #: request's ``bootstrap_host``/``bootstrap_port`` may name, beside the
+    #: ``--prefill-url`` server's; any other is refused before a connection.
+    allowed_bootstrap_hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            name, value = field.name, getattr(self, field.name)
+            if name.endswith("_timeout"):
+                if not _is_number(value) or math.isnan(value) or value < 0:
+                    raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+            elif name.startswith("max_") or (name == "context_length" and value is not None):
+                if not _is_number(value) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            elif name == "api_key" and value == "":
+                raise ValueError("api_key must not be empty (None: no key)")
+            elif name.endswith("_hosts"):
+                for entry in value:
+                    if parse_address(entry) is None:
+                        raise ValueError(f"{name}: {entry!r} is not a host or host:port")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def parse_address(value: bytes | str) -> Address | None:
+    """``host``, ``host:port``, ``[v6]``, ``[v6]:port`` or a bare IPv6 literal; else ``None``."""
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    host, port = text, ""
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or not (rest == "" or rest.startswith(":")):
+            return None
+        port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if not host or not (port == "" or (port.isascii() and port.isdigit() and len(port) <= 5)):
+        return None
+    return host.lower(), int(port) if port else None

@@ -1,0 +1,162 @@
+"""``ClientConnection``: one client's connection, which it can never hold open against us.
+
+hypercorn's trio connection (``TCPServer``) with three differences, each
+found by a client that held the server:
+
+* **A write that the client does not take is bounded.** hypercorn shields
+  each socket write, so that neither the app nor its own shutdown can
+  interrupt one: a client that stops reading would hold its connection, its
+  request and the shutdown forever. Here the write has a deadline inside the
+  shield (``client_stall_timeout``); past it the client is dropped.
+* **A client that has gone is let go at once.** After the client's EOF,
+  hypercorn still waits out its keep-alive timer before the connection ends.
+* **The connection can be dropped from outside** (``drop``): the socket is
+  reset, which also ends a write in progress. The app drops a client that has
+  fallen too far behind, and the server drops an idle connection when it has
+  no room for a new one, and whatever its shutdown grace did not see close.
+
+The app finds the connection it is serving with ``current_connection()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+from contextvars import ContextVar
+from typing import Literal
+
+import trio
+from hypercorn.config import Config
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import AppWrapper, ConnectionState
+
+from ._metrics import ServerMetrics
+
+__all__ = ["ClientConnection", "DropReason", "current_connection"]
+
+logger = logging.getLogger("trio_sglang.server")
+
+#: Why a client was dropped: ``stalled`` (took no bytes for the stall timeout),
+#: ``behind`` (further behind its stream than the server holds), ``idle``
+#: (between requests, or before its first, when the server had no room for a
+#: new connection), ``shutdown`` (still connected when the shutdown grace ended).
+DropReason = Literal["stalled", "behind", "idle", "shutdown"]
+
+_current: ContextVar[ClientConnection] = ContextVar("trio_sglang_connection")
+
+#: SO_LINGER on, 0 s: close() resets the connection and frees it at once,
+#: instead of keeping unsent bytes queued for a client that takes none.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+#: A write is bounded per this many bytes taken by the client.
+_PIECE_BYTES = 1 << 16
+
+
+def current_connection() -> ClientConnection | None:
+    """The connection the calling request arrived on (``None`` outside ``serve``)."""
+    return _current.get(None)
+
+
+class ClientConnection(TCPServer):
+    """Serve one accepted connection until the client or the server ends it."""
+
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: Config,
+        context: WorkerContext,
+        stream: trio.SocketStream,
+        *,
+        stall_timeout: float,
+        metrics: ServerMetrics,
+    ) -> None:
+        # hypercorn annotates the stream as an SSLStream; its own loop passes
+        # plain SocketStreams, as here.
+        super().__init__(app, config, context, ConnectionState({}), stream)  # type: ignore[arg-type]
+        self._socket = stream.socket
+        self._stall_timeout = stall_timeout
+        self._metrics = metrics
+        self.dropped: DropReason | None = None
+        #: No request in flight: before the first one's headers, or between two.
+        self.idle = True
+
+    async def serve(self) -> None:
+        """Run the connection; the app's tasks for it see it as ``current_connection()``."""
+        _current.set(self)  # this task's context: the app's tasks start from a copy of it
+        await self.run()
+
+    def drop(self, reason: DropReason) -> None:
+        """Reset the connection now (idempotent); counted and logged once.
+
+        A write in progress ends with the socket, and the app sees the client
+        disconnect, which stops its request at the engine.
+        """
+        if self.dropped is not None:
+            return
+        self.dropped = reason
+        self._metrics.clients_dropped.labels(reason).inc()
+        # One line per client that was gone; idle ones (many, under a flood) and
+        # those of a shutdown (counted once, there) only at DEBUG.
+        level = logging.INFO if reason in ("stalled", "behind") else logging.DEBUG
+        logger.log(level, "dropped client %s: %s", _peer(self._socket), _WHY[reason])
+        with contextlib.suppress(OSError):  # already closed, or the peer's reset came first
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        self._socket.close()
+
+    async def protocol_send(self, event: Event) -> None:
+        if not isinstance(event, RawData):
+            if isinstance(event, Updated):
+                self.idle = event.idle
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            # Shielded as hypercorn's own write is: a write cut short by the
+            # app's cancellation would corrupt the HTTP stream.
+            with trio.CancelScope(shield=True):
+                sent = await self._send_bounded(event.data)
+            if not sent:
+                await self.protocol.handle(Closed())
+
+    async def _send_bounded(self, data: bytes) -> bool:
+        """Whether all of ``data`` went out; a client that takes none of a piece in time is dropped.
+
+        The deadline fires inside the caller's shield. It is per piece, so a
+        slow client that keeps taking bytes is never dropped for the size of
+        a response.
+        """
+        view = memoryview(data)
+        try:
+            for start in range(0, len(view), _PIECE_BYTES):
+                with trio.move_on_after(self._stall_timeout) as bound:
+                    await self.stream.send_all(view[start : start + _PIECE_BYTES])
+                if bound.cancelled_caught:
+                    self.drop("stalled")
+                    return False
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        # The client is gone (EOF, reset, or dropped): end its keep-alive wait
+        # too, which hypercorn would otherwise sit out before closing.
+        await self.idle_task.stop()
+
+
+_WHY: dict[DropReason, str] = {
+    "stalled": "it took no bytes of its response within the stall timeout",
+    "behind": "it fell further behind its stream than the server holds",
+    "idle": "it was idle when the server had no room for a new connection",
+    "shutdown": "still connected when the shutdown grace ended",
+}
+
+
+def _peer(sock: trio.socket.SocketType) -> str:
+    try:
+        host, port, *_ = sock.getpeername()
+    except OSError:
+        return "(gone)"
+    return f"{host}:{port}"

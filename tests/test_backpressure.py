@@ -1,0 +1,163 @@
+"""A client slower than its engine: outputs are coalesced, held within a bound, and never pile up.
+
+``IncrementQueue`` merges a child's backlog as SGLang's TokenizerManager does;
+the server's streaming responses hold what their client has not taken in
+one (``Outbox``). The app is driven here through ASGI directly, on the
+MockClock, with a ``send`` as slow (or as stuck) as the case needs: what
+the socket does is ``tests/test_edge.py``'s part.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import trio_sglang as ts
+from conftest import slow_sim
+from trio_sglang._increments import IncrementQueue
+from trio_sglang.server import ServerApp, ServerLimits, ServerMetrics
+
+
+def output(text: str, ids: list[int], *, index: int = 0, **meta: Any) -> dict[str, Any]:
+    return {"text": text, "output_ids": ids, "index": index, "meta_info": {"id": "r", **meta}}
+
+
+# -- IncrementQueue ------------------------------------------------------------------
+
+
+def test_a_childs_backlog_is_merged_as_sglang_merges_it() -> None:
+    queue = IncrementQueue()
+    first = output("a", [1], completion_tokens=1, output_token_logprobs=[(-0.1, 1)])
+    queue.put(first)
+    queue.put(output("b", [2, 3], completion_tokens=3, output_token_logprobs=[(-0.2, 2)]))
+    queue.put(output("x", [9], index=1, completion_tokens=1))
+    queue.put(output("c", [4], completion_tokens=4, finish_reason={"type": "length"}))
+    assert queue.tokens == 5
+    assert len(queue) == 2  # one waiting output per child
+    merged, other = queue.take_all()
+    assert merged["text"] == "abc"
+    assert merged["output_ids"] == [1, 2, 3, 4]
+    assert merged["meta_info"]["completion_tokens"] == 4  # the newest state
+    assert merged["meta_info"]["finish_reason"] == {"type": "length"}
+    assert merged["meta_info"]["output_token_logprobs"] == [(-0.1, 1), (-0.2, 2)]
+    assert other["text"] == "x"
+    # The engine's own output was copied before it was merged into, never changed.
+    assert first == output("a", [1], completion_tokens=1, output_token_logprobs=[(-0.1, 1)])
+    assert queue.tokens == 0
+    assert len(queue) == 0
+
+
+def test_an_output_taken_is_not_merged_into_again() -> None:
+    queue = IncrementQueue()
+    queue.put(output("a", [1]))
+    assert queue.popleft()["text"] == "a"
+    queue.put(output("b", [2]))
+    queue.put(output("c", [3]))
+    assert [out["text"] for out in queue.take_all()] == ["bc"]
+
+
+# -- the app, through ASGI ------------------------------------------------------------
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}, "stream": True}
+
+
+async def generate(app: ServerApp, send: Send) -> None:
+    """One streaming ``POST /generate`` whose client stays connected and sends nothing more."""
+    body = json.dumps(BODY).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await trio.sleep_forever()
+        raise AssertionError  # unreachable
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/generate",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    await app(scope, receive, send)
+
+
+def sse_events(sent: list[dict[str, Any]]) -> list[Any]:
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    lines = text.decode().split("\n\n")
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+@pytest.fixture
+async def worker() -> Any:
+    async with ts.open_worker(slow_sim(keep_trace=True)) as worker:
+        yield worker
+
+
+async def test_a_client_slower_than_its_tokens_gets_them_coalesced(
+    autojump_clock: trio.testing.MockClock, worker: ts.Worker
+) -> None:
+    """A token a second, a client that takes an event every 3.5 s: fewer events, every token."""
+    app = ServerApp(worker, ServerMetrics(), model="m", limits=ServerLimits())
+    sent: list[dict[str, Any]] = []
+
+    async def slow_send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            await trio.sleep(3.5)
+
+    await generate(app, slow_send)
+    events = sse_events(sent)
+    assert sum(len(event["output_ids"]) for event in events) == 50
+    assert len(events) < 20
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_a_client_that_takes_no_bytes_is_stopped_after_the_stall_timeout(
+    autojump_clock: trio.testing.MockClock, worker: ts.Worker
+) -> None:
+    limits = ServerLimits(client_stall_timeout=5.0)
+    metrics = ServerMetrics()
+    app = ServerApp(worker, metrics, model="m", limits=limits)
+    engine = worker.engine
+    assert isinstance(engine, ts.SimEngine)
+    stuck_since: list[float] = []
+
+    async def stuck_send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            stuck_since.append(trio.current_time())
+            await trio.sleep_forever()  # as HTTP/2's flow control waits for a window
+
+    await generate(app, stuck_send)
+    # Stopped at the stall timeout after the first token's send got stuck, not 50 s later.
+    assert trio.current_time() == pytest.approx(stuck_since[0] + 5.0, abs=0.01)
+    await worker.wait_idle()
+    assert engine.live_rids() == set()
+    assert max(e.time for e in engine.trace if e.kind == "token") <= stuck_since[0] + 5.0
+    assert b'outcome="cancelled"' in metrics.render()
+
+
+async def test_a_client_further_behind_than_the_bound_is_gone(
+    autojump_clock: trio.testing.MockClock, worker: ts.Worker
+) -> None:
+    """The held tokens never pass the bound: past it the request stops, however slow the send."""
+    app = ServerApp(worker, ServerMetrics(), model="m", limits=ServerLimits(max_unsent_tokens=4))
+    engine = worker.engine
+    assert isinstance(engine, ts.SimEngine)
+
+    async def slow_send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            await trio.sleep(9.0)  # under the stall timeout: only the bound can stop it
+
+    started = trio.current_time()
+    await generate(app, slow_send)
+    await worker.wait_idle()
+    assert engine.live_rids() == set()
+    tokens = [e.time for e in engine.trace if e.kind == "token"]
+    assert len(tokens) < 10  # 50 were asked for
+    assert trio.current_time() - started < 20.0
