@@ -9,6 +9,7 @@ the socket does is ``tests/test_edge.py``'s part.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,7 @@ import trio_sglang as ts
 from conftest import slow_sim
 from trio_sglang._increments import IncrementQueue
 from trio_sglang.server import ServerApp, ServerLimits, ServerMetrics
+from trio_sglang.server._asgi import SSE_HEARTBEAT
 
 
 def output(text: str, ids: list[int], *, index: int = 0, **meta: Any) -> dict[str, Any]:
@@ -161,3 +163,48 @@ async def test_a_client_further_behind_than_the_bound_is_gone(
     tokens = [e.time for e in engine.trace if e.kind == "token"]
     assert len(tokens) < 10  # 50 were asked for
     assert trio.current_time() - started < 20.0
+
+
+# -- heartbeats ------------------------------------------------------------------------
+
+
+def body_times(sent: list[tuple[float, bytes]], payload: bytes) -> list[float]:
+    return [time for time, body in sent if body == payload]
+
+
+async def test_a_silent_stream_sends_a_heartbeat_in_every_gap_longer_than_the_interval(
+    autojump_clock: trio.testing.MockClock, worker: ts.Worker
+) -> None:
+    """Before the first token (2.5 s in), and between tokens a second apart: the stream is
+    never silent longer than 0.1 s, and a heartbeat never follows other bytes sooner."""
+    app = ServerApp(worker, ServerMetrics(), model="m", limits=ServerLimits(sse_heartbeat=0.1))
+    sent: list[tuple[float, bytes]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            sent.append((trio.current_time(), message["body"]))
+
+    await generate(app, send)
+    first_token = next(time for time, body in sent if body.startswith(b"data: {"))
+    assert first_token == pytest.approx(2.5)
+    assert sent[0] == (pytest.approx(0.1), SSE_HEARTBEAT)
+    for (before, _), (time, body) in itertools.pairwise(sent):
+        assert time - before <= 0.1 + 1e-9
+        if body == SSE_HEARTBEAT:
+            assert time - before >= 0.1 - 1e-9
+    messages = [{"type": "http.response.body", "body": body} for _, body in sent]
+    assert sum(len(event["output_ids"]) for event in sse_events(messages)) == 50
+
+
+async def test_no_heartbeats_when_turned_off(
+    autojump_clock: trio.testing.MockClock, worker: ts.Worker
+) -> None:
+    app = ServerApp(worker, ServerMetrics(), model="m", limits=ServerLimits(sse_heartbeat=0))
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message.get("body", b""))
+
+    await generate(app, send)
+    assert SSE_HEARTBEAT not in sent
+    assert len(sse_events([{"type": "http.response.body", "body": b} for b in sent])) == 50

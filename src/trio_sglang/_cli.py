@@ -225,6 +225,13 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         help="tokens a streaming response holds for a client that is behind (sent coalesced "
         "when it catches up); a client further behind is gone",
     )
+    edge.add_argument(
+        "--sse-heartbeat",
+        type=_seconds,
+        default=limits.sse_heartbeat,
+        help="a streaming response with nothing to send for this long sends an SSE comment "
+        "(about 15 bytes), so that a proxy notices a gone client within it; 0: never",
+    )
     admission = serve.add_argument_group("requests (refused before they reach the engine)")
     admission.add_argument(
         "--max-body-bytes",
@@ -300,6 +307,7 @@ def _server_limits(args: argparse.Namespace) -> ServerLimits:
         request_read_timeout=args.request_read_timeout,
         client_stall_timeout=args.client_stall_timeout,
         max_unsent_tokens=args.max_unsent_tokens,
+        sse_heartbeat=args.sse_heartbeat,
         max_body_bytes=args.max_body_bytes,
         max_running_requests=args.max_running_requests,
         max_children_per_request=args.max_children_per_request,

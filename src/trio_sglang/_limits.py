@@ -43,6 +43,10 @@ class ServerLimits:
     #: coalesced into fewer, larger events while the client is behind). A
     #: client further behind than this is gone, as a stalled one is.
     max_unsent_tokens: int = 4096
+    #: A streaming response with nothing to send for this long sends an SSE
+    #: comment, which clients ignore: a proxy that notices a gone client only
+    #: when it writes (sglang-router) then notices within this. 0: never.
+    sse_heartbeat: float = 0.1
 
     # -- admission ----------------------------------------------------------
     #: Largest request body taken; a larger one gets 413.
@@ -69,7 +73,7 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for field in fields(self):
             name, value = field.name, getattr(self, field.name)
-            if name.endswith("_timeout"):
+            if name.endswith("_timeout") or name == "sse_heartbeat":
                 if not _is_number(value) or math.isnan(value) or value < 0:
                     raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
             elif name.startswith("max_") or (name == "context_length" and value is not None):

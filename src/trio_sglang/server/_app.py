@@ -10,6 +10,7 @@ lifecycle at once, with no fixed delay.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from .._worker import ResponseStream, Worker
 from ._admission import Admission
 from ._asgi import (
     SSE_DONE,
+    SSE_HEARTBEAT,
     ClientGone,
     Receive,
     Scope,
@@ -288,25 +290,34 @@ class ServerApp:
         to take its bytes never leaves outputs piling up at the engine: they
         wait in the outbox, coalesced, within its bound. A client that takes no
         bytes within the stall timeout, or falls behind past the bound, is gone.
+        While there is nothing to send (before the first token, in a long gap),
+        a heartbeat goes out every ``sse_heartbeat``: a proxy that only notices
+        a gone client when it writes to it (sglang-router) notices within that.
         """
         outbox = Outbox(self.limits.max_unsent_tokens)
+        heartbeat = self.limits.sse_heartbeat or math.inf
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_engine, chunks, outbox, ctx)
-            while held := await outbox.take():
-                events: list[bytes] = []
-                for out in held:
-                    index, _ = plan.add(out)
-                    events.extend(sse_event(event) for event in plan.events(index, out))
+            while (held := await outbox.take(idle_after=heartbeat)) != []:
+                payload = SSE_HEARTBEAT if held is None else self._render(plan, held)
                 # The connection bounds each write too; this bound is for what
                 # waits before the socket (HTTP/2's flow control).
                 with trio.move_on_after(self.limits.client_stall_timeout) as bound:
-                    await send_sse(send, b"".join(events))
+                    await send_sse(send, payload)
                 if bound.cancelled_caught:
                     _drop_client(ctx, "stalled")
                     break
             nursery.cancel_scope.cancel()
         if outbox.error is not None:  # raised here, not in the nursery: as itself, not a group
             raise outbox.error
+
+    @staticmethod
+    def _render(plan: Plan, held: list[dict[str, Any]]) -> bytes:
+        events: list[bytes] = []
+        for out in held:
+            index, _ = plan.add(out)
+            events.extend(sse_event(event) for event in plan.events(index, out))
+        return b"".join(events)
 
     @staticmethod
     async def _read_engine(chunks: ResponseStream, outbox: Outbox, ctx: RequestContext) -> None:

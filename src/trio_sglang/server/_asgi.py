@@ -11,6 +11,7 @@ from ._errors import HTTPError
 __all__ = [
     "DRAIN_BYTES",
     "SSE_DONE",
+    "SSE_HEARTBEAT",
     "ClientGone",
     "Receive",
     "Scope",
@@ -29,6 +30,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: An SSE comment: every SSE parser skips it (the openai SDK, httpx-sse, browsers).
+SSE_HEARTBEAT = b": keep-alive\n\n"
 #: How far past the limit a body is still read before its 413. Clients send the
 #: whole body before they read the answer, and hypercorn closes a connection with
 #: the body unread, which resets it and can lose the 413 already sent; so a body

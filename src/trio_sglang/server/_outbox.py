@@ -11,6 +11,7 @@ the response's bound: the client is then treated as gone.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import trio
@@ -46,11 +47,18 @@ class Outbox:
         self.error = error
         self._wake()
 
-    async def take(self) -> list[dict[str, Any]]:
-        """Everything held, in order, once there is something; ``[]`` once closed and taken."""
-        while not self._held and not self._closed:
-            self._wakeup = trio.Event()
-            await self._wakeup.wait()
+    async def take(self, *, idle_after: float = math.inf) -> list[dict[str, Any]] | None:
+        """Everything held, in order, once there is something; ``[]`` once closed and taken.
+
+        ``None`` if nothing came for ``idle_after`` seconds (the response is idle).
+        """
+        if not self._held and not self._closed:
+            with trio.move_on_after(idle_after):
+                while not self._held and not self._closed:
+                    self._wakeup = trio.Event()
+                    await self._wakeup.wait()
+            if not self._held and not self._closed:
+                return None
         return self._held.take_all()
 
     def _wake(self) -> None:
