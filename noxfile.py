@@ -1,5 +1,5 @@
 """The one entry point: ``nox -s tests``, ``sglang``, ``fuzz``, ``lint``, ``typecheck``,
-``bench``, ``load``, ``serve``, ``demo``.
+``bench``, ``load``, ``router-cancel``, ``serve``, ``bench-endpoint``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -115,9 +115,30 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def load(session: nox.Session) -> None:
-    """1,000 streaming clients against ``trio-sglang serve`` for 30 s (``-- --quick``: CI's run)."""
+    """1,000 streaming clients against ``trio-sglang serve`` for 30 s (``-- --quick``: CI's run).
+
+    ``-- --scenario edge``: the same clients alone, then beside non-readers and tricklers.
+    """
     install(session, "serve", "bench")
     session.run("python", "benchmarks/load.py", *session.posargs)
+
+
+@nox.session(name="router-cancel")
+def router_cancel(session: nox.Session) -> None:
+    """Behind sglang-router: a client leaving to the worker letting go, SSE heartbeats on and off.
+
+    About a minute (``-- --quick``: about 17 s); options after ``--`` go to
+    ``benchmarks/router_cancel.py``.
+    """
+    install(session, "serve", "router", "bench")
+    session.run("python", "benchmarks/router_cancel.py", *session.posargs)
+
+
+@nox.session(name="bench-endpoint")
+def bench_endpoint(session: nox.Session) -> None:
+    """Cancel latency of any serving endpoint, from its own metrics (``-- --url URL ...``)."""
+    install(session, "bench")
+    session.run("trio-sglang", "bench-endpoint", *session.posargs)
 
 
 @nox.session

@@ -8,7 +8,9 @@ its requests it abandons at a random moment, before the first token or in
 the middle of the stream, by leaving a ``trio.move_on_after`` block: httpx
 closes the connection when a read is cancelled, so the server sees the
 client go exactly as it would see a real one. After leaving, a user goes on
-with a new client (see ``_client``).
+with a new client (see ``_client``). Each user also times its token events,
+the first from sending the request (TTFT) and each next from the one before
+(ITL): what a slow server costs the people reading.
 
 Why httpx rather than raw sockets: it is a real HTTP/1.1 client (the one the
 ``openai`` SDK is built on), it runs on trio, and on the project's 2-core
@@ -37,7 +39,16 @@ from typing import Any, Literal
 import httpx
 import trio
 
-__all__ = ["ENDPOINTS", "LEFT", "LoadShape", "Outcome", "Tally", "http_client", "run_clients"]
+__all__ = [
+    "ENDPOINTS",
+    "LEFT",
+    "LoadShape",
+    "Outcome",
+    "Tally",
+    "http_client",
+    "request_body",
+    "run_clients",
+]
 
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
@@ -105,11 +116,17 @@ class Tally:
     #: Why failed requests failed: an httpx error's class, a status, a timeout...
     failures: Counter[str] = field(default_factory=Counter)
     statuses: Counter[int] = field(default_factory=Counter)
-    #: Error events inside a 200 stream (the server ending it), by their code.
-    stream_errors: Counter[int] = field(default_factory=Counter)
-    #: Server-sent events with a token (one token each: ``n`` is 1).
+    #: Error events inside a 200 stream (the server ending it: each a server error), by
+    #: their OpenAI ``code`` (``shutting_down``, ``engine_error``, or ``null``).
+    stream_errors: Counter[str] = field(default_factory=Counter)
+    #: Server-sent events with a token (one token each: ``n`` is 1, unless the
+    #: server coalesced a backlog into one event for a client behind).
     tokens: int = 0
     in_flight: int = 0
+    #: Seconds from sending a request to its first token event (TTFT), and
+    #: between two token events of one response (ITL), as the users saw them.
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
 
     def count(self, outcome: Outcome | None = None, endpoint: str | None = None) -> int:
         """Requests that ended so, at that endpoint (None: any)."""
@@ -121,14 +138,12 @@ class Tally:
 
     def server_errors(self) -> int:
         """5xx answers, as a status or as an error event in the stream."""
-        return sum(
-            count
-            for code, count in (*self.statuses.items(), *self.stream_errors.items())
-            if code >= 500
-        )
+        statuses = sum(count for status, count in self.statuses.items() if status >= 500)
+        return statuses + sum(self.stream_errors.values())
 
 
-def _body(endpoint: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A streaming request for ``endpoint`` in its own dialect (SGLang's or OpenAI's)."""
     if endpoint == "/generate":
         return {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_tokens}}
     if endpoint == "/v1/completions":
@@ -141,13 +156,27 @@ def _body(endpoint: str, model: str, prompt: str, max_tokens: int) -> dict[str, 
 class _Seen:
     status: int | None = None
     tokens: int = 0
-    error: int | None = None
+    error: str | None = None
     done: bool = False
+    #: When the request was sent, and when its last token event came.
+    sent_at: float = 0.0
+    last_at: float | None = None
+
+    def token(self, tally: Tally) -> None:
+        """A token event now: its TTFT or its ITL goes into the tally."""
+        now = trio.current_time()
+        if self.last_at is None:
+            tally.ttft.append(now - self.sent_at)
+        else:
+            tally.itl.append(now - self.last_at)
+        self.last_at = now
+        self.tokens += 1
 
 
 async def _read(
-    client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], seen: _Seen
+    client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], seen: _Seen, tally: Tally
 ) -> None:
+    seen.sent_at = trio.current_time()
     async with client.stream("POST", endpoint, json=body) as response:
         seen.status = response.status_code
         if seen.status != 200:
@@ -157,9 +186,9 @@ async def _read(
             if line == "data: [DONE]":
                 seen.done = True
             elif line.startswith(_ERROR_EVENT):
-                seen.error = int(json.loads(line.removeprefix("data: "))["error"]["code"])
+                seen.error = str(json.loads(line.removeprefix("data: "))["error"]["code"])
             elif line.startswith("data: "):
-                seen.tokens += 1
+                seen.token(tally)
 
 
 async def _request(
@@ -177,7 +206,7 @@ async def _request(
         with trio.move_on_after(
             shape.request_timeout if leave_after is None else leave_after
         ) as scope:
-            await _read(client, endpoint, body, seen)
+            await _read(client, endpoint, body, seen, tally)
     except httpx.HTTPError as exc:
         tally.failures[type(exc).__name__] += 1
     else:
@@ -231,7 +260,7 @@ async def _client(
             leave_after: float | None = None
             while leave_after is None and trio.current_time() < stop_at:
                 endpoint = rng.choice(ENDPOINTS)
-                body = _body(endpoint, model, f"user {index} says hello", shape.max_tokens)
+                body = request_body(endpoint, model, f"user {index} says hello", shape.max_tokens)
                 leave_after = shape.leave_after(rng)
                 await _request(client, endpoint, body, leave_after, shape, tally)
 

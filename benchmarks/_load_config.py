@@ -1,4 +1,5 @@
-"""One load run's plan: the clients, the server's SimEngine timing, and every bound."""
+"""One load run's plan: the clients, the server's SimEngine timing, and every bound;
+and the edge scenario's hostile share, with the short server bounds it runs under."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from _load_clients import LoadShape
+from _load_hostile import HostileShape
 
-__all__ = ["Config"]
+__all__ = ["HOSTILE_CAP", "HOSTILE_SHARE", "Config", "EdgeConfig"]
+
+#: The edge scenario's default: this share of the normal clients each as
+#: non-readers and as tricklers, at most ``HOSTILE_CAP`` of each.
+HOSTILE_SHARE = 0.1
+HOSTILE_CAP = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +45,8 @@ class Config:
     warmup_duration: float = 2.0
     request_timeout: float = 30.0
     start_timeout: float = 30.0
+    #: Any one HTTP exchange of the operator's client (health, metrics).
+    admin_timeout: float = 10.0
     #: How long the server may take to finish its cleanups after the run.
     settle_timeout: float = 10.0
     #: How long the server may take to exit after SIGINT.
@@ -63,6 +72,66 @@ class Config:
             ramp=min(self.ramp, self.warmup_duration) if warmup else self.ramp,
             request_timeout=self.request_timeout,
             seed=self.seed,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "serve_args": self.serve_args()}
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    """The hostile clients beside the normal ones, and the server's bounds; seconds.
+
+    ``for_clients`` gives the default share: 10 % of the normal clients each
+    as non-readers and as tricklers, at most 50 of each (at 1,000 clients, 50
+    non-readers hold up to 200 streams at the engine, a fifth of the normal
+    load's).
+    The server gets short bounds (a stall of 2 s, a body read of 3 s, against
+    10 s and 30 s by default), so that every hostile client is dropped, and
+    the run seen to its end, within seconds.
+    """
+
+    nonreaders: int = 50
+    tricklers: int = 50
+    stall_timeout: float = 2.0
+    read_timeout: float = 3.0
+    #: A non-reader's request: why several samples of a long answer, see ``_load_hostile``.
+    samples: int = 4
+    max_tokens: int = 1024
+    receive_buffer: int = 4096
+    trickle_interval: float = 0.5
+    hold_bound: float = 60.0
+
+    @classmethod
+    def for_clients(
+        cls, clients: int, nonreaders: int | None = None, tricklers: int | None = None
+    ) -> EdgeConfig:
+        """The default share of ``clients``, unless a count is given."""
+        share = max(1, min(HOSTILE_CAP, round(HOSTILE_SHARE * clients)))
+        return cls(
+            nonreaders=share if nonreaders is None else nonreaders,
+            tricklers=share if tricklers is None else tricklers,
+        )
+
+    def serve_args(self) -> list[str]:
+        return [
+            *("--client-stall-timeout", f"{self.stall_timeout:g}"),
+            *("--request-read-timeout", f"{self.read_timeout:g}"),
+        ]
+
+    def shape(self, config: Config) -> HostileShape:
+        return HostileShape(
+            nonreaders=self.nonreaders,
+            tricklers=self.tricklers,
+            duration=config.duration,
+            ramp=config.ramp,
+            samples=self.samples,
+            max_tokens=self.max_tokens,
+            receive_buffer=self.receive_buffer,
+            trickle_interval=self.trickle_interval,
+            read_timeout=self.read_timeout,
+            hold_bound=self.hold_bound,
+            seed=config.seed,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -15,9 +15,11 @@ from typing import Any
 from _load_clients import ENDPOINTS, LEFT, Outcome, Tally
 from _load_config import Config
 from _load_metrics import Scrape, bucket_delta, histogram_quantile
+from _load_rss import RssTrace
+from _metrics import Stats, percentiles
 from _report import Target
 
-__all__ = ["LoadReport", "mib"]
+__all__ = ["LoadReport", "cores", "mib", "ms", "pairs", "zero"]
 
 _MIB = float(2**20)
 _ABORT_DELAY = "trio_sglang_abort_delay_seconds"
@@ -39,7 +41,7 @@ _COLUMNS: tuple[tuple[str, Outcome | None], ...] = (
 )
 
 
-def _ms(seconds: float | None) -> str:
+def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.2f} ms"
 
 
@@ -56,7 +58,7 @@ class LoadReport:
     after: Scrape
     #: Seconds the server took to settle after the run (None: not within the bound).
     settle_s: float | None
-    #: The largest resident memory sampled during the run (every progress line).
+    #: The largest resident memory sampled during the run.
     #: Memory and CPU are None where the server exports no ``process_*`` metrics.
     peak_rss: float | None
     #: The server's exit status after SIGINT (None: still running at the bound).
@@ -69,10 +71,12 @@ class LoadReport:
     runtime_s: float
     client_cpu_s: float
     load_average: tuple[float, float]
+    #: The server's memory every 0.5 s over the load and the settle (Linux).
+    rss: RssTrace | None = None
     checks: list[Target] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.checks = self._checks()
+        self.checks = [*self.phase_checks(), *self.process_checks()]
 
     @property
     def passed(self) -> bool:
@@ -95,6 +99,10 @@ class LoadReport:
             "method": _QUANTILE_METHOD,
         }
 
+    def latency(self) -> dict[str, Stats]:
+        """The users' TTFT and ITL (seconds, nearest rank): what a slow server costs them."""
+        return {"ttft_s": percentiles(self.tally.ttft), "itl_s": percentiles(self.tally.itl)}
+
     def server(self) -> dict[str, Any]:
         rss = "process_resident_memory_bytes"
         cpu_before, cpu_after = (
@@ -104,6 +112,7 @@ class LoadReport:
         return {
             "requests": self._delta_by("trio_sglang_requests_total", "outcome"),
             "cancellations": self._delta_by("trio_sglang_cancellations_total", "phase"),
+            "clients_dropped": self._delta_by("trio_sglang_clients_dropped_total", "reason"),
             "engine_events": self._delta_by(sim, "kind"),
             "engine_live_requests": round(self.after.value("trio_sglang_engine_live_requests")),
             "aborts_lost": round(self.after.value(sim, kind="abort_lost")),
@@ -114,6 +123,7 @@ class LoadReport:
                 "before": self.before.get(rss),
                 "after": self.after.get(rss),
                 "peak": self.peak_rss,
+                **({} if self.rss is None else {"trace": self.rss.to_json()}),
             },
             "cpu_cores": None
             if cpu_before is None or cpu_after is None
@@ -127,35 +137,26 @@ class LoadReport:
 
     # -- the invariants --------------------------------------------------------------
 
-    def _checks(self) -> list[Target]:
+    def phase_checks(self) -> list[Target]:
+        """The invariants of the load between the two scrapes: what the users and the
+        server's counters saw."""
         tally, server = self.tally, self.server()
         completed = tally.count("completed")
         left = sum(tally.count(outcome) for outcome in LEFT)
-        errors = self.log_levels.get("ERROR", 0) + self.log_levels.get("CRITICAL", 0)
-        stop = self.config.stop_timeout
         checks = [
-            _zero("responses 5xx (status, or an error event in the stream)", tally.server_errors()),
-            _zero("requests failed", tally.count("failed"), _pairs(tally.failures.items())),
-            _zero("requests the engine still holds at the end", server["engine_live_requests"]),
-            _zero("aborts lost at the engine", server["aborts_lost"]),
-            _zero(
+            zero("responses 5xx (status, or an error event in the stream)", tally.server_errors()),
+            zero("requests failed", tally.count("failed"), pairs(tally.failures.items())),
+            zero("requests the engine still holds at the end", server["engine_live_requests"]),
+            zero("aborts lost at the engine", server["aborts_lost"]),
+            zero(
                 "cleanups unconfirmed (ended with the engine holding the request)",
                 server["cleanups_unconfirmed"],
             ),
-            _zero("ERROR lines in the server's log", errors),
             Target(
                 "server settled after the run (no open stream, no cleanup in flight)",
                 f"within {self.config.settle_timeout:g} s",
                 "no" if self.settle_s is None else f"in {self.settle_s:.2f} s",
                 self.settle_s is not None,
-            ),
-            Target(
-                "server exits 0 on SIGINT",
-                f"within {stop:g} s",
-                f"status {self.exit_status} in {self.stop_s:.2f} s"
-                if self.exit_status is not None
-                else f"still running after {stop:g} s",
-                self.exit_status == 0,
             ),
         ]
         if self.config.disconnect_fraction > 0:
@@ -169,11 +170,27 @@ class LoadReport:
             )
         return checks
 
+    def process_checks(self) -> list[Target]:
+        """The invariants of the server process's whole life: its log, its exit."""
+        errors = self.log_levels.get("ERROR", 0) + self.log_levels.get("CRITICAL", 0)
+        stop = self.config.stop_timeout
+        return [
+            zero("ERROR lines in the server's log", errors),
+            Target(
+                "server exits 0 on SIGINT",
+                f"within {stop:g} s",
+                f"status {self.exit_status} in {self.stop_s:.2f} s"
+                if self.exit_status is not None
+                else f"still running after {stop:g} s",
+                self.exit_status == 0,
+            ),
+        ]
+
     # -- what a person reads ---------------------------------------------------------
 
     def format(self) -> str:
         c, tally, server = self.config, self.tally, self.server()
-        delay = self.abort_delay()
+        delay, latency = self.abort_delay(), self.latency()
         rss = server["rss_bytes"]
         lines = [
             f"Load over loopback: {c.clients:,} clients for {c.duration:g} s, "
@@ -196,15 +213,20 @@ class LoadReport:
             f"statuses: {statuses or 'none'}; tokens received {tally.tokens:,} (the engine "
             f"decoded {engine.get('token', 0):,}, aborted {engine.get('abort_applied', 0):,} "
             f"requests and released {engine.get('released', 0):,} before dispatch)",
-            f"server: requests {_pairs(server['requests'].items())}; "
-            f"client gone {_pairs(server['cancellations'].items())}",
+            f"server: requests {pairs(server['requests'].items())}; "
+            f"client gone {pairs(server['cancellations'].items())}; clients dropped "
+            f"{pairs(server['clients_dropped'].items())}",
             f"server memory: RSS {mib(rss['before'])} before, {mib(rss['after'])} after, "
             f"{mib(rss['peak'])} at the largest sample during the run",
-            f"CPU during the load: server {_cores(server['cpu_cores'])}, clients "
-            f"{_cores(self.client_cpu_s / self.load_s)}; machine load average "
+            f"CPU during the load: server {cores(server['cpu_cores'])}, clients "
+            f"{cores(self.client_cpu_s / self.load_s)}; machine load average "
             f"{self.load_average[0]:.2f} before, {self.load_average[1]:.2f} after",
-            f"disconnect-to-abort over {delay['cleanups']:,} cleanups: p50 {_ms(delay['p50_s'])}, "
-            f"p99 {_ms(delay['p99_s'])} (the server's histogram, interpolated inside buckets)",
+            f"disconnect-to-abort over {delay['cleanups']:,} cleanups: p50 {ms(delay['p50_s'])}, "
+            f"p99 {ms(delay['p99_s'])} (the server's histogram, interpolated inside buckets)",
+            f"at the clients: TTFT p50 {ms(latency['ttft_s']['p50'])}, p99 "
+            f"{ms(latency['ttft_s']['p99'])}; ITL p50 {ms(latency['itl_s']['p50'])}, p99 "
+            f"{ms(latency['itl_s']['p99'])} (the engine's token interval: "
+            f"{ms(c.token_interval)})",
             f"runtime: {self.runtime_s:.1f} s (load {self.load_s:.1f} s)",
             "",
             "invariants:",
@@ -233,8 +255,9 @@ class LoadReport:
                 },
                 "failures": dict(tally.failures),
                 "statuses": {str(code): n for code, n in sorted(tally.statuses.items())},
-                "stream_errors": {str(code): n for code, n in sorted(tally.stream_errors.items())},
+                "stream_errors": dict(sorted(tally.stream_errors.items())),
                 "tokens": tally.tokens,
+                **self.latency(),
                 "cpu_cores": self.client_cpu_s / self.load_s,
                 "warmup_requests": self.warmup.count(),
             },
@@ -248,14 +271,14 @@ class LoadReport:
         }
 
 
-def _cores(value: float | None) -> str:
+def cores(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} cores"
 
 
-def _zero(what: str, count: int, detail: str = "") -> Target:
+def zero(what: str, count: int, detail: str = "") -> Target:
     measured = f"{count:,} ({detail})" if count and detail else f"{count:,}"
     return Target(what, "0", measured, count == 0)
 
 
-def _pairs(items: Iterable[tuple[str, int]]) -> str:
+def pairs(items: Iterable[tuple[str, int]]) -> str:
     return ", ".join(f"{key} {value:,}" for key, value in items) or "none"

@@ -97,9 +97,29 @@ class ServerProcess:
                 return scrape
             await trio.sleep(0.05)
 
+    async def settle(self, bound: float) -> tuple[float | None, Scrape]:
+        """Wait at most ``bound`` s for ``settled``: the seconds it took (None: not
+        within the bound), and a scrape taken after."""
+        started = trio.current_time()
+        seconds: float | None = None
+        with trio.move_on_after(bound):
+            await self.settled()
+            seconds = trio.current_time() - started
+        return seconds, await self.scrape()
+
     def interrupt(self) -> None:
         """SIGINT, as a user's Ctrl-C; ``process.wait()`` then gives the exit status."""
         self.process.send_signal(signal.SIGINT)
+
+    async def stop(self, bound: float) -> tuple[int | None, float]:
+        """SIGINT, then wait at most ``bound`` s: the exit status (None: still running at
+        the bound) and the seconds waited."""
+        started = trio.current_time()
+        status: int | None = None
+        self.interrupt()
+        with trio.move_on_after(bound):
+            status = await self.process.wait()
+        return status, trio.current_time() - started
 
 
 @asynccontextmanager

@@ -1,7 +1,8 @@
 """Load over loopback: many streaming clients against ``trio-sglang serve``, some leaving.
 
-    python benchmarks/load.py [--quick] [--clients 1000] [--duration 30]
-        [--disconnect-fraction 0.333] [--seed 0] [--json PATH]
+    python benchmarks/load.py [--quick] [--scenario load|edge] [--clients 1000]
+        [--duration 30] [--disconnect-fraction 0.333] [--seed 0]
+        [--nonreaders N] [--tricklers N] [--json PATH]
 
 Starts the server as a subprocess (SimEngine, load-appropriate timing, see
 ``Config``) on a free loopback port, warms it up, then runs the clients for
@@ -13,131 +14,56 @@ by what the server's ``/metrics`` and the clients saw: no 5xx, no failed
 request, nothing left at the engine, no lost abort, no unconfirmed cleanup,
 a clean exit. Progress on stderr, the table on stdout, every number in the
 JSON; the exit status is 1 if an invariant failed. See docs/benchmarks.md.
+
+``--scenario edge`` runs the same clients twice on one server started with
+short client bounds (``EdgeConfig``): alone, then beside hostile clients
+(``_load_hostile``: non-readers that never read their answer, tricklers that
+send their body a byte at a time), and compares what the normal clients saw
+(``_load_edge_report``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from _load_clients import LoadShape, Tally, run_clients
-from _load_config import Config
-from _load_report import LoadReport, mib
-from _load_server import ServerProcess, open_server
+from _load_config import Config, EdgeConfig
+from _load_edge_report import EdgeReport
+from _load_hostile import HostileTally, run_hostile
+from _load_report import LoadReport
+from _load_run import progress_steps, run_server
 from _report import Progress
 from cancel_latency import machine
 
-__all__ = ["main", "run_load"]
+__all__ = ["main", "run_edge", "run_load"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: Seconds between progress lines (each also samples the server's memory).
-PROGRESS_EVERY = 5.0
-#: Any one HTTP exchange of the operator's client (health, metrics).
-ADMIN_TIMEOUT = 10.0
 QUICK = {"clients": 200, "duration": 8.0, "warmup_clients": 20, "warmup_duration": 1.0}
-
-
-@dataclass(slots=True)
-class _Watch:
-    """The progress lines during the load, and the largest server memory they sampled."""
-
-    server: ServerProcess
-    shape: LoadShape
-    tally: Tally
-    progress: Progress
-    peak_rss: float | None = None
-
-    async def run(self) -> None:
-        started = trio.current_time()
-        while True:
-            await trio.sleep(PROGRESS_EVERY)
-            with trio.move_on_after(PROGRESS_EVERY):  # a slow scrape skips a line
-                scrape = await self.server.scrape()
-                rss = scrape.get("process_resident_memory_bytes")
-                if rss is not None:
-                    self.peak_rss = max(rss, self.peak_rss or rss)
-                tally = self.tally
-                self.progress.start(
-                    f"load {trio.current_time() - started:.0f}/{self.shape.duration:g} s: "
-                    f"{tally.count():,} requests done ({tally.count('failed'):,} failed), "
-                    f"{tally.in_flight:,} in flight; server: "
-                    f"{scrape.value('trio_sglang_open_streams'):.0f} streams open, "
-                    f"RSS {mib(rss)}"
-                )
+SCENARIOS = ("load", "edge")
 
 
 async def run_load(config: Config, progress: Progress) -> LoadReport:
     """Start the server, warm it up, load it, let it settle, stop it; report."""
-    load_average = os.getloadavg()[0]
-    started = time.perf_counter()
-    progress.start(f"starting trio-sglang serve {' '.join(config.serve_args())}")
-    async with open_server(
-        config.serve_args(), start_timeout=config.start_timeout, http_timeout=ADMIN_TIMEOUT
-    ) as server:
-        progress.step_done()
-        model = await server.model()
-        warmup, shape = Tally(), config.shape(warmup=True)
-        progress.start(f"warm-up: {shape.clients} clients for {shape.duration:g} s")
-        await run_clients(server.url, model, shape, warmup)
-        with trio.fail_after(config.settle_timeout):
-            before = await server.settled()
-        progress.step_done()
+    run = await run_server(config, progress, [("load", None)])
+    return run.report()
 
-        tally, shape = Tally(), config.shape()
-        progress.start(f"load: {shape.clients:,} clients for {shape.duration:g} s")
-        watch = _Watch(server, shape, tally, progress, before.get("process_resident_memory_bytes"))
-        load_started, cpu_started = time.perf_counter(), time.process_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch.run)
-            await run_clients(server.url, model, shape, tally)
-            nursery.cancel_scope.cancel()
-        load_s = time.perf_counter() - load_started
-        client_cpu_s = time.process_time() - cpu_started
-        progress.step_done()
 
-        progress.start("settling: the server's last cleanups")
-        settle_started = trio.current_time()
-        settle_s: float | None = None
-        with trio.move_on_after(config.settle_timeout):
-            await server.settled()
-            settle_s = trio.current_time() - settle_started
-        after = await server.scrape()
-        progress.step_done()
+async def run_edge(config: Config, edge: EdgeConfig, progress: Progress) -> EdgeReport:
+    """One server with ``edge``'s bounds: the load alone, then beside the hostile clients."""
+    hostile = HostileTally()
 
-        progress.start("stopping the server with SIGINT")
-        stop_started = trio.current_time()
-        exit_status: int | None = None
-        server.interrupt()
-        with trio.move_on_after(config.stop_timeout):
-            exit_status = await server.process.wait()
-        stop_s = trio.current_time() - stop_started
-        progress.step_done()
-    return LoadReport(
-        config=config,
-        tally=tally,
-        warmup=warmup,
-        before=before,
-        after=after,
-        settle_s=settle_s,
-        peak_rss=watch.peak_rss,
-        exit_status=exit_status,
-        stop_s=stop_s,
-        log_levels=dict(server.log.levels),
-        log_notable=list(server.log.notable),
-        load_s=load_s,
-        runtime_s=time.perf_counter() - started,
-        client_cpu_s=client_cpu_s,
-        load_average=(load_average, os.getloadavg()[0]),
-    )
+    async def beside(url: str, model: str) -> None:
+        await run_hostile(url, model, edge.shape(config), hostile)
+
+    phases = [("baseline", None), ("edge", beside)]
+    run = await run_server(config, progress, phases, edge.serve_args())
+    return EdgeReport(run, edge, hostile)
 
 
 # -- the command line ---------------------------------------------------------------
@@ -154,6 +80,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _share(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -177,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the CI run: {QUICK['clients']} clients for {QUICK['duration']:g} s "
         "(the options below still apply)",
     )
+    parser.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="load",
+        help="load: the clients alone; edge: the clients alone, then beside hostile clients "
+        "(non-readers and tricklers), on one server with short client bounds (default load)",
+    )
     parser.add_argument("--clients", type=_count, help=f"default {defaults.clients}")
     parser.add_argument(
         "--duration", type=_seconds, help=f"seconds (default {defaults.duration:g})"
@@ -196,12 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-tokens", type=_count, help=f"tokens per request (default {defaults.max_tokens})"
     )
+    edge = EdgeConfig.for_clients(defaults.clients)
+    for name, what in (
+        ("nonreaders", "streaming clients that never read their answer"),
+        ("tricklers", "clients that send their body a byte at a time"),
+    ):
+        parser.add_argument(
+            f"--{name}",
+            type=_share,
+            help=f"--scenario edge: {what} (default 10%% of --clients, at most "
+            f"{getattr(edge, name)})",
+        )
     parser.add_argument(
         "--json",
         type=Path,
         metavar="PATH",
         help="where the results go (default benchmarks/results/load.json, "
-        "load-quick.json with --quick)",
+        "load-quick.json with --quick; load-edge[-quick].json for --scenario edge)",
     )
     return parser
 
@@ -221,17 +172,33 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(**chosen)
 
 
+def edge_from_args(args: argparse.Namespace, config: Config) -> EdgeConfig:
+    return EdgeConfig.for_clients(config.clients, args.nonreaders, args.tricklers)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    path = args.json or RESULTS / ("load-quick.json" if args.quick else "load.json")
+    name = "load" if args.scenario == "load" else f"load-{args.scenario}"
+    path = args.json or RESULTS / (f"{name}-quick.json" if args.quick else f"{name}.json")
     print(
         f"SimEngine timing for load: {' '.join(config.serve_args())}; {config.max_tokens} "
         "tokens per request (why: Config in benchmarks/_load_config.py)",
         file=sys.stderr,
     )
-    progress = Progress(total=5)
-    report = trio.run(run_load, config, progress)
+    report: LoadReport | EdgeReport
+    if args.scenario == "edge":
+        edge = edge_from_args(args, config)
+        print(
+            f"edge: {edge.nonreaders} non-readers and {edge.tricklers} tricklers beside the "
+            f"clients; server bounds {' '.join(edge.serve_args())} (why: EdgeConfig)",
+            file=sys.stderr,
+        )
+        progress = Progress(total=progress_steps(2))
+        report = trio.run(run_edge, config, edge, progress)
+    else:
+        progress = Progress(total=progress_steps(1))
+        report = trio.run(run_load, config, progress)
     progress.finish()
     print(report.format())
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,11 +40,14 @@ def events(server: Server) -> int:
     return sum(server.engine.event_counts().values())
 
 
-def assert_error(response: httpx.Response, status: int, kind: str, param: str | None) -> str:
-    """An OpenAI-shaped error; its message."""
+def assert_error(
+    response: httpx.Response, status: int, kind: str, param: str | None, code: str
+) -> str:
+    """An error in OpenAI's shape, ``code`` a string (never the status); its message."""
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert (error["type"], error["param"], error["code"]) == (kind, param, status)
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == (kind, param, code)
     assert isinstance(error["message"], str)
     return error["message"]
 
@@ -69,7 +72,7 @@ async def test_the_api_key_guards_every_route_but_health(start_server: StartServ
     with trio.fail_after(10):
         for headers in wrong:
             response = await client.post("/v1/completions", json=COMPLETION, headers=headers)
-            assert_error(response, 401, "invalid_request_error", None)
+            assert_error(response, 401, "invalid_request_error", None, "invalid_api_key")
             assert response.headers["www-authenticate"] == "Bearer"
         for path in ("/v1/models", "/metrics", "/capabilities", "/nope"):
             assert (await client.get(path)).status_code == 401, path
@@ -93,7 +96,7 @@ async def test_the_host_header_must_name_an_allowed_host(start_server: StartServ
         for host in ("evil.example", "example.com", "example.com:9090", "127.0.0.2", "[::2]"):
             for path in ("/health", "/generate"):
                 response = await client.post(path, json=GENERATE, headers={"host": host})
-                assert_error(response, 400, "invalid_request_error", None)
+                assert_error(response, 400, "invalid_request_error", None, "host_not_allowed")
         assert events(server) == 0
         for host in ("EXAMPLE.com:8080", "[::1]:1234", "127.0.0.1:1", "127.0.0.1"):
             response = await client.post("/generate", json=GENERATE, headers={"host": host})
@@ -150,7 +153,7 @@ async def test_generation_bodies_must_be_json(
     with trio.fail_after(10):
         response = await server.client.post("/generate", content=body, headers=headers)
     if status == 415:
-        assert_error(response, 415, "invalid_request_error", None)
+        assert_error(response, 415, "invalid_request_error", None, "unsupported_media_type")
         assert events(server) == 0
         assert await refused(server, "unsupported_media_type") == 1
     else:
@@ -173,7 +176,7 @@ async def test_past_max_running_requests_the_server_answers_503(
             await eventually(lambda: server.engine.event_counts()["dispatched"] == 1)
             before = events(server)
             response = await client.post("/v1/completions", json=COMPLETION)
-            assert_error(response, 503, "server_error", None)
+            assert_error(response, 503, "server_error", None, "overloaded")
             assert response.headers["retry-after"] == "1"
             assert events(server) == before
         # The first request's handler has ended once its outcome is counted.
@@ -210,7 +213,7 @@ async def test_prompts_times_n_is_bounded(
     server = await start_server(limits=ServerLimits(max_children_per_request=4))
     with trio.fail_after(10):
         response = await server.client.post(path, json=body)
-        message = assert_error(response, 400, "invalid_request_error", "n")
+        message = assert_error(response, 400, "invalid_request_error", "n", "too_many_children")
         assert message.endswith("the most one request may ask for is 4")
         assert events(server) == 0
         assert await refused(server, "too_many_children") == 1
@@ -230,7 +233,7 @@ async def test_a_long_rid_is_refused(start_server: StartServer, body: dict[str, 
     server = await start_server(limits=ServerLimits(max_rid_length=8))
     with trio.fail_after(10):
         response = await server.client.post("/generate", json=body)
-        assert_error(response, 400, "invalid_request_error", "rid")
+        assert_error(response, 400, "invalid_request_error", "rid", "rid_too_long")
         assert events(server) == 0
         assert await refused(server, "rid_too_long") == 1
         accepted = await server.client.post("/generate", json={**GENERATE, "rid": "r" * 8})
@@ -289,7 +292,9 @@ async def test_what_cannot_fit_the_context_is_refused(
     server = await start_server(context_length=100, token_interval=0.001)
     with trio.fail_after(10):
         response = await server.client.post(path, json=body)
-        assert words in assert_error(response, 400, "invalid_request_error", param)
+        assert words in assert_error(
+            response, 400, "invalid_request_error", param, "context_length_exceeded"
+        )
         assert events(server) == 0
         assert await refused(server, "context_length") == 1
         fits = {"input_ids": IDS_60, "sampling_params": budget(39)}
@@ -305,7 +310,9 @@ async def test_the_servers_context_length_overrides_the_engines(
         response = await server.client.post(
             "/v1/completions", json={**COMPLETION, "max_tokens": 50}
         )
-        assert "of 50 tokens" in assert_error(response, 400, "invalid_request_error", "max_tokens")
+        assert "of 50 tokens" in assert_error(
+            response, 400, "invalid_request_error", "max_tokens", "context_length_exceeded"
+        )
         assert events(server) == 0
 
 
@@ -368,7 +375,13 @@ async def test_a_decode_server_reaches_only_allowed_bootstrap_addresses() -> Non
                 for path, body in bodies:
                     body = {"bootstrap_host": "127.0.0.1", "bootstrap_room": 7, **body}
                     response = await client.post(path, json=body)
-                    assert_error(response, 400, "invalid_request_error", "bootstrap_host")
+                    assert_error(
+                        response,
+                        400,
+                        "invalid_request_error",
+                        "bootstrap_host",
+                        "bootstrap_not_allowed",
+                    )
                 metrics = (await client.get("/metrics")).text
                 assert (
                     'trio_sglang_requests_refused_total{reason="bootstrap_not_allowed"} 6.0'

@@ -46,7 +46,7 @@ def help_entries(text: str) -> list[str]:
     return [" ".join(entry.split()) for entry in entries if entry]
 
 
-@pytest.mark.parametrize("command", ["serve", "demo"])
+@pytest.mark.parametrize("command", ["serve", "demo", "bench-endpoint"])
 async def test_every_option_has_help_and_shows_its_default(command: str) -> None:
     result = await run_cli(command, "--help")
     assert result.returncode == 0, result.stderr

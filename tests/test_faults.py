@@ -10,6 +10,7 @@ worker's observer (the server's metrics) counts it once.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -238,7 +239,9 @@ async def test_a_stream_that_fails_over_http_ends_with_a_502_event_not_a_500(
     stop.set()
     events = [line for line in response.text.splitlines() if line.startswith("data: ")]
     assert response.status_code == 200  # the stream had started
-    assert '"code": 502' in events[-2]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "the engine failed while generating gen-" in error.pop("message")
+    assert error == {"type": "server_error", "param": None, "code": "engine_error"}
     assert events[-1] == "data: [DONE]"
     assert len(events) == 4  # two chunks, the error, the end
     assert 'trio_sglang_engine_faults_total{kind="stream_error"} 1.0' in metrics

@@ -7,7 +7,7 @@ sends what a hostile or broken client can put on the wire to a real server
 body, hypothesis-drawn or written out:
 
 - the status is never 5xx: a 4xx with an error body of OpenAI's shape (a
-  message that says what is wrong, ``code`` equal to the status), or a 200
+  message that says what is wrong, ``code`` a string or null), or a 200
   when the body happens to be valid, read to its end with no error in it;
 - a rejected body reached nothing: the engine's trace gained no event and no
   rid is live; after a 200, nothing stays live either.
@@ -189,9 +189,10 @@ def post(
         return response
     assert response.headers["content-type"] == "application/json"
     error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str)
     assert error["message"]
-    assert error["code"] == status
+    assert isinstance(error["code"], str | None)
     assert trace_after == trace_before, "a rejected body reached the engine"
     return response
 
@@ -300,7 +301,8 @@ BAD_TOKEN_ID_LISTS = st.lists(
 BAD_STOP = other_than("str", "array") | st.lists(other_than("str"), min_size=1)
 BAD_MAX_TOKENS = ints_outside(0, INT32_MAX) | other_than("int")
 BAD_N = ints_outside(1, 1024) | other_than("int")
-BAD_MODEL = other_than("str") | st.text(max_size=8).filter(lambda name: name != MODEL)
+#: Any name is served, as by SGLang; ``name:adapter`` asks for a LoRA adapter, which it has not.
+BAD_MODEL = other_than("str") | st.text(max_size=8).map(lambda a: f"{MODEL}:{a}x")
 BAD_ROLE = other_than("str") | st.text(max_size=8).filter(lambda role: role not in ROLES)
 BAD_CONTENT = (
     other_than("str", "array")

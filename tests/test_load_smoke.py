@@ -6,8 +6,9 @@ and the verdict on scrapes of a real ``ServerMetrics``. The server side: the
 metrics the runner judges by (``process_resident_memory_bytes``, the
 SimEngine's event counts) and ``SimEngine(keep_trace=False)``, which a
 long-running server needs. One tiny run of the whole runner (a server
-subprocess, a few clients for a second, real time) closes it; it asserts
-counts and verdicts, never timings.
+subprocess, a few clients for a second, real time) closes it, and one of
+the edge scenario (the same, then beside a non-reader and a trickler); they
+assert counts and verdicts, never timings.
 """
 
 from __future__ import annotations
@@ -197,6 +198,24 @@ def test_command_line(load: Any) -> None:
             parse(bad)
 
 
+def test_edge_command_line(load: Any) -> None:
+    runner = load.runner
+    parse = runner.build_parser().parse_args
+
+    def edge(*argv: str) -> tuple[int, int]:
+        args = parse(["--scenario", "edge", *argv])
+        chosen = runner.edge_from_args(args, runner.config_from_args(args))
+        return chosen.nonreaders, chosen.tricklers
+
+    assert edge() == (50, 50)  # 10 % of 1,000 clients, at most 50 of each
+    assert edge("--quick") == (20, 20)
+    assert edge("--clients", "3") == (1, 1)
+    assert edge("--tricklers", "0", "--nonreaders", "7") == (7, 0)
+    assert "--client-stall-timeout" in load.config.EdgeConfig().serve_args()
+    with pytest.raises(SystemExit):
+        parse(["--scenario", "edge", "--nonreaders", "-1"])
+
+
 # -- the verdict ---------------------------------------------------------------------------
 
 
@@ -297,3 +316,43 @@ async def test_a_tiny_run_passes(load: Any) -> None:
     assert server["rss_bytes"]["before"] > 0
     assert report.tally.count() > 0
     assert report.tally.tokens > 0
+
+
+@pytest.mark.filterwarnings(
+    r"ignore:Async generator 'httpx\._content\.ByteStream\.__aiter__' was garbage collected"
+    ":ResourceWarning"
+)
+async def test_a_tiny_edge_run(load: Any) -> None:
+    config = load.config.Config(
+        clients=4,
+        duration=1.0,
+        disconnect_fraction=0.5,
+        max_tokens=4,
+        token_interval=0.01,
+        first_token_delay=0.01,
+        ramp=0.2,
+        warmup_clients=2,
+        warmup_duration=0.2,
+    )
+    # A token every 10 ms fills a non-reader's buffers within a second; bounds to match.
+    edge = load.config.EdgeConfig(
+        nonreaders=1,
+        tricklers=1,
+        stall_timeout=0.5,
+        read_timeout=0.5,
+        trickle_interval=0.1,
+        hold_bound=20.0,
+    )
+    report = await load.runner.run_edge(config, edge, load.progress(7, stream=io.StringIO()))
+    assert [check.what for check in report.checks if check.met is False] == [], report.format()
+    hostile = report.hostile
+    assert hostile.let_go["reset"] == len(hostile.holds) > 0
+    assert set(hostile.trickles) == {"HTTP 408"}
+    assert report.dropped().get("stalled", 0) + report.dropped().get("behind", 0) > 0
+    for phase in (report.baseline, report.loaded):
+        assert phase.server()["engine_live_requests"] == 0
+        assert phase.tally.count() > 0
+        assert phase.tally.itl
+        assert phase.rss is not None
+    assert report.itl_ratio() is not None
+    assert json.loads(json.dumps(report.to_json({}), allow_nan=False))["hostile"]

@@ -21,17 +21,34 @@ What sglang-router 0.3.x does with a worker (measured with a TCP tap):
   ``/generate``; ``no_stop_trim``, ``ignore_eos``, ``skip_special_tokens``, ...
   on the OpenAI routes) and turns chat ``max_tokens`` into
   ``max_completion_tokens``.
-- a client disconnect: the router sends no abort; it notices the disconnect
-  only when it next writes to the client (when the worker's next chunk
-  arrives), then drops its connection to the worker, and the worker cancels
-  the request at once. So the worker lets go within about one token interval.
+- a client disconnect: the router sends no abort. Once it has answered (a
+  stream's headers), it notices the disconnect only when it next writes to
+  the client (when the worker's next chunk arrives), then drops its
+  connection to the worker, and the worker cancels the request at once.
+  Before it has answered (a non-streaming request; in PD mode, a stream
+  whose prefill is still running) it notices at once. The worker's SSE
+  heartbeats (``--sse-heartbeat``, 0.1 s) are such chunks: a streaming
+  client that leaves before the first token, or in a long gap between two,
+  is let go within about one heartbeat instead of at the next token.
+- a non-streaming answer is buffered whole before the router sends any of it
+  (with a ``content-length``), so bytes a worker sent early (leading
+  whitespace) would never reach the client; measured with a stub worker, see
+  docs/serving.md.
+
+The heartbeat tests run clusters of their own (a 5 s first token, 2 s
+between tokens, heartbeats off), and a prefill/decode pair behind the router
+in PD mode; the measured times from a client leaving to the workers letting
+go are printed (``-s``) and recorded as the tests' properties
+(``record_property``, in a JUnit XML report).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib.util
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +56,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import httpx
+import openai
 import pytest
 from prometheus_client import parser
 
@@ -49,7 +67,7 @@ if importlib.util.find_spec("sglang_router") is None:
         allow_module_level=True,
     )
 
-from _processes import Process, start_router, start_workers
+from _processes import Process, start_router, start_workers, wait_until
 
 #: The SimEngine's seconds per decoded token on both workers: slow, so streams stay open.
 TOKEN_INTERVAL = 0.2
@@ -59,6 +77,17 @@ LONG = 200
 CANCEL_BOUND = 10.0
 TIMEOUT = 10.0
 MODEL = "trio-sglang-sim"
+
+#: ``--sse-heartbeat``'s default, which the heartbeat tests' workers run with.
+HEARTBEAT = 0.1
+#: "Let go within a heartbeat": the interval, plus room for a busy 2-core machine
+#: (the polls of both workers' /metrics included). Measured: about 0.1 s.
+HEARTBEAT_BOUND = 1.0
+#: The waiting clusters' first token: what a client that left before it cost
+#: the worker without heartbeats (the issue's 5 s).
+FIRST_TOKEN_DELAY = 5.0
+#: The slow clusters' seconds between two tokens.
+TOKEN_GAP = 2.0
 
 
 @dataclass
@@ -78,14 +107,12 @@ def _worker_died(process: Process) -> NoReturn:
     raise AssertionError(f"{process.name} died\n{process.tail()}")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    log_dir: Path = tmp_path_factory.mktemp("router")
+@contextlib.contextmanager
+def running_cluster(log_dir: Path, *worker_args: str) -> Iterator[Cluster]:
+    """Two workers started with ``worker_args`` behind a round-robin router; stopped after."""
     started: list[Process] = []
     try:
-        pairs = start_workers(
-            ["worker-a", "worker-b"], log_dir, "--sim-token-interval", str(TOKEN_INTERVAL)
-        )
+        pairs = start_workers(["worker-a", "worker-b"], log_dir, *worker_args)
         worker_processes = [process for process, _ in pairs]
         workers = [url for _, url in pairs]
         started += worker_processes
@@ -111,6 +138,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         for process in reversed(started):  # the router first, then the workers
             process.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(
+        tmp_path_factory.mktemp("router"), "--sim-token-interval", str(TOKEN_INTERVAL)
+    ) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def waiting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Heartbeats on (the default); the first token 5 s after a request reaches the engine."""
+    args = ("--sim-first-token-delay", str(FIRST_TOKEN_DELAY))
+    with running_cluster(tmp_path_factory.mktemp("waiting"), *args) as started:
+        yield started
 
 
 # -- helpers -------------------------------------------------------------------
@@ -294,3 +337,507 @@ def test_closing_clients_through_the_router_cancels_on_each_worker(cluster: Clus
     assert sum(mid_stream) == len(bodies)
     assert all(n >= 1 for n in mid_stream)
     cluster.require_workers_alive()
+
+
+# -- SSE heartbeats: a client gone while its stream is silent ---------------------------
+#
+# Once the router has answered a stream (the worker sends its headers at once),
+# it notices a gone client only when it next writes to it. Without heartbeats
+# that is the first token (FIRST_TOKEN_DELAY after the request reached the
+# engine) or the next one (TOKEN_GAP later); with them, the next heartbeat.
+
+
+def sim_events(cluster: Cluster, kind: str) -> list[float]:
+    """Each worker's SimEngine events of ``kind`` so far (``token``, ``abort_applied``, ...)."""
+    return counts(cluster, "trio_sglang_sim_events_total", kind=kind)
+
+
+def until_heartbeat(lines: Iterator[str]) -> list[str]:
+    """Read up to the next SSE comment (a heartbeat); the data payloads read before it."""
+    events: list[str] = []
+    for line in lines:
+        if line.startswith(":"):
+            return events
+        if line.startswith("data: "):
+            events.append(line.removeprefix("data: "))
+    raise AssertionError(f"the stream ended without a heartbeat: {events}")
+
+
+def first_token_then_heartbeat(lines: Iterator[str]) -> list[str]:
+    """Read up to the first data event, then up to the next heartbeat; the data payloads read."""
+    for line in lines:
+        if line.startswith("data: "):
+            return [line.removeprefix("data: "), *until_heartbeat(lines)]
+    raise AssertionError("the stream ended without a data event")
+
+
+Stream = tuple[httpx.Client, httpx.Response, Iterator[str]]
+
+
+def open_streams(
+    stack: contextlib.ExitStack, url: str, bodies: list[tuple[str, dict[str, Any]]]
+) -> list[Stream]:
+    """A client (so a connection) per body, each with its response's headers in."""
+    streams = []
+    for path, body in bodies:
+        client = stack.enter_context(httpx.Client(base_url=url, timeout=TIMEOUT))
+        response = stack.enter_context(client.stream("POST", path, json=body))
+        require_ok(response)
+        streams.append((client, response, response.iter_lines()))
+    return streams
+
+
+def leave(streams: list[Stream]) -> float:
+    """Close every stream's connection; when the first one went (``time.monotonic``)."""
+    left = time.monotonic()
+    for client, response, _ in streams:
+        response.close()
+        client.close()
+    return left
+
+
+def let_go(workers: list[str], left: float, bound: float, what: str) -> float:
+    """Poll until no worker holds a request, at most ``bound`` s; the seconds since ``left``."""
+    wait_for(what, lambda: all(live(worker) == 0 for worker in workers), bound)
+    return time.monotonic() - left
+
+
+def post_raw(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """POST over a socket of its own and read nothing: a client that can leave at any moment,
+    with or without an answer (``close()``)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    )
+    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def nothing_received(sock: socket.socket) -> bool:
+    """Whether no byte of an answer has reached ``sock`` yet."""
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)  # a byte, or b"" if the connection was closed
+    except BlockingIOError:
+        return True
+    finally:
+        sock.settimeout(TIMEOUT)
+    return False
+
+
+def test_behind_the_router_a_client_gone_before_the_first_token_is_let_go_within_a_heartbeat(
+    waiting: Cluster, record_property: Callable[[str, object], None]
+) -> None:
+    wait_idle(waiting)
+    cancellations = "trio_sglang_cancellations_total"
+    before_first_token = counts(waiting, cancellations, phase="before_first_token")
+    tokens = sim_events(waiting, "token")
+
+    bodies = [
+        ("/generate", generate_body(LONG)),
+        ("/v1/chat/completions", chat_body(LONG, stream=True)),
+    ]
+    with contextlib.ExitStack() as stack:
+        streams = open_streams(stack, waiting.router, bodies)  # round robin: one on each worker
+        wait_for(
+            "each worker holds its request",
+            lambda: [live(worker) for worker in waiting.workers] == [1, 1],
+            TIMEOUT,
+        )
+        for _, _, lines in streams:  # the router passes the worker's heartbeats on
+            assert until_heartbeat(lines) == []  # and nothing else: no token yet
+        left = leave(streams)
+        took = let_go(waiting.workers, left, HEARTBEAT_BOUND, "both workers let go")
+    print(
+        f"client gone before the first token -> both workers let go: {took:.3f} s "
+        f"(heartbeat {HEARTBEAT} s, first token due after {FIRST_TOKEN_DELAY} s)"
+    )
+    record_property("before_first_token_let_go_s", round(took, 3))
+
+    # Let go before the first token: no token was decoded, and each worker
+    # counted the disconnect in that phase.
+    assert deltas(sim_events(waiting, "token"), tokens) == [0, 0]
+    gained = deltas(counts(waiting, cancellations, phase="before_first_token"), before_first_token)
+    assert gained == [1, 1]
+    waiting.require_workers_alive()
+
+
+def test_behind_the_router_a_non_streaming_client_that_leaves_is_let_go_at_once(
+    waiting: Cluster, record_property: Callable[[str, object], None]
+) -> None:
+    """No heartbeat can reach a non-streaming client (the router buffers the answer), and none
+    is needed: the router has not answered yet, so it notices the disconnect at once."""
+    wait_idle(waiting)
+    cancellations = "trio_sglang_cancellations_total"
+    before = sum(counts(waiting, cancellations, phase="before_first_token"))
+    body = {**generate_body(LONG), "stream": False}
+    with contextlib.closing(post_raw(waiting.router, "/generate", body)) as sock:
+        wait_for(
+            "a worker holds the request",
+            lambda: sum(live(worker) for worker in waiting.workers) == 1,
+            TIMEOUT,
+        )
+        assert nothing_received(sock)
+        left = time.monotonic()
+    took = let_go(waiting.workers, left, HEARTBEAT_BOUND, "the worker let go")
+    print(f"non-streaming client gone -> the worker let go: {took:.3f} s")
+    record_property("non_streaming_let_go_s", round(took, 3))
+    assert sum(counts(waiting, cancellations, phase="before_first_token")) == before + 1
+    waiting.require_workers_alive()
+
+
+@pytest.fixture
+def slow_tokens(tmp_path: Path) -> Iterator[Cluster]:
+    """Heartbeats on; the first token at once, then one every TOKEN_GAP seconds."""
+    with running_cluster(tmp_path, "--sim-token-interval", str(TOKEN_GAP)) as started:
+        yield started
+
+
+def test_behind_the_router_a_client_gone_in_a_long_gap_is_let_go_within_a_heartbeat(
+    slow_tokens: Cluster, record_property: Callable[[str, object], None]
+) -> None:
+    cluster = slow_tokens
+    cancellations = "trio_sglang_cancellations_total"
+    bodies = [("/v1/completions", completions_body(LONG)), ("/generate", generate_body(LONG))]
+    with contextlib.ExitStack() as stack:
+        streams = open_streams(stack, cluster.router, bodies)
+        for _, _, lines in streams:  # the first token, then silence but for heartbeats
+            assert len(first_token_then_heartbeat(lines)) == 1
+        left = leave(streams)
+        took = let_go(cluster.workers, left, HEARTBEAT_BOUND, "both workers let go")
+    print(
+        f"client gone mid-stream -> both workers let go: {took:.3f} s "
+        f"(heartbeat {HEARTBEAT} s, the next token due {TOKEN_GAP} s after the first)"
+    )
+    record_property("mid_stream_let_go_s", round(took, 3))
+
+    assert sim_events(cluster, "token") == [1, 1]  # the second token never came
+    assert counts(cluster, cancellations, phase="mid_stream") == [1, 1]
+    cluster.require_workers_alive()
+
+
+@pytest.fixture
+def waiting_quiet(tmp_path: Path) -> Iterator[Cluster]:
+    """``waiting`` with heartbeats off, and TOKEN_GAP between tokens."""
+    args = ["--sim-first-token-delay", str(FIRST_TOKEN_DELAY), "--sse-heartbeat", "0"]
+    with running_cluster(tmp_path, *args, "--sim-token-interval", str(TOKEN_GAP)) as started:
+        yield started
+
+
+@pytest.mark.slow
+def test_with_heartbeats_off_the_worker_lets_go_only_at_the_first_token(
+    waiting_quiet: Cluster, record_property: Callable[[str, object], None]
+) -> None:
+    """The router's old behaviour, kept with ``--sse-heartbeat 0``: it notices the gone client
+    when it writes the first token, so the worker holds the request until then."""
+    cluster = waiting_quiet
+    bodies = [("/generate", generate_body(LONG)), ("/v1/completions", completions_body(LONG))]
+    with contextlib.ExitStack() as stack:
+        sent = time.monotonic()
+        streams = open_streams(stack, cluster.router, bodies)
+        wait_for(
+            "each worker holds its request",
+            lambda: [live(worker) for worker in cluster.workers] == [1, 1],
+            TIMEOUT,
+        )
+        left = leave(streams)
+        took = let_go(cluster.workers, left, FIRST_TOKEN_DELAY + TIMEOUT, "both workers let go")
+    held = left + took - sent
+    print(
+        f"heartbeats off: client gone before the first token -> both workers let go: "
+        f"{took:.3f} s after it left, {held:.3f} s after the request"
+    )
+    record_property("heartbeats_off_let_go_s", round(took, 3))
+
+    # Held until the first token, which the router then failed to deliver: each
+    # engine decoded it (the second was TOKEN_GAP later), and the worker saw
+    # the disconnect after its first event, so mid-stream.
+    assert held >= FIRST_TOKEN_DELAY
+    assert sim_events(cluster, "token") == [1, 1]
+    cancellations = "trio_sglang_cancellations_total"
+    assert counts(cluster, cancellations, phase="mid_stream") == [1, 1]
+    assert counts(cluster, cancellations, phase="before_first_token") == [0, 0]
+    cluster.require_workers_alive()
+
+
+# -- what clients see: the same chunks, heartbeats or not -----------------------------------
+
+#: Heartbeats before the first token (0.35 s) and in every gap (0.3 s); a 4-token
+#: answer takes 1.25 s.
+PACED = ("--sim-first-token-delay", "0.35", "--sim-token-interval", "0.3")
+
+
+@pytest.fixture
+def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("paced"), *PACED) as started:
+        yield started
+
+
+@pytest.fixture
+def paced_quiet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("paced-quiet")
+    with running_cluster(log_dir, *PACED, "--sse-heartbeat", "0") as started:
+        yield started
+
+
+#: What differs between two runs of one request: its id and its creation time.
+VOLATILE = frozenset({"id", "created"})
+
+
+def steady(value: Any) -> Any:
+    """``value`` without its VOLATILE fields, at any depth."""
+    if isinstance(value, dict):
+        return {k: steady(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [steady(v) for v in value]
+    return value
+
+
+def httpx_session(url: str, path: str, body: dict[str, Any]) -> tuple[list[Any], int]:
+    """The stream's data payloads, parsed (``[DONE]`` kept), and how many of them came after
+    a silence with an SSE comment in it (a heartbeat)."""
+    events: list[Any] = []
+    after_heartbeat, heard = 0, False
+    with (
+        httpx.Client(base_url=url, timeout=TIMEOUT) as client,
+        client.stream("POST", path, json=body) as response,
+    ):
+        require_ok(response)
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                heard = True
+            elif line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else steady(json.loads(data)))
+                after_heartbeat, heard = after_heartbeat + heard, False
+    assert events[-1] == "[DONE]", events
+    return events, after_heartbeat
+
+
+def sdk_session(url: str, route: str) -> tuple[list[Any], int]:
+    """The openai SDK's parsed chunks of a stream (it hides SSE comments, so none counted)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    with client:
+        if route == "chat":
+            messages: list[Any] = [{"role": "user", "content": "Hello"}]
+            chat = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4, stream=True
+            )
+            chunks = [steady(chunk.model_dump()) for chunk in chat]
+        else:
+            stream = client.completions.create(
+                model=MODEL, prompt="Hello", max_tokens=4, stream=True
+            )
+            chunks = [steady(chunk.model_dump()) for chunk in stream]
+    return chunks, 0
+
+
+SESSIONS: dict[str, Callable[[str], tuple[list[Any], int]]] = {
+    "httpx /generate": lambda url: httpx_session(url, "/generate", generate_body(4)),
+    "httpx chat": lambda url: httpx_session(url, "/v1/chat/completions", chat_body(4, stream=True)),
+    "sdk chat": lambda url: sdk_session(url, "chat"),
+    "sdk completions": lambda url: sdk_session(url, "completions"),
+}
+
+
+def test_clients_see_the_same_chunks_with_heartbeats_on_and_off(
+    paced: Cluster, paced_quiet: Cluster
+) -> None:
+    """One deterministic request per client and route, to a worker directly and through the
+    router, with heartbeats on and off: the parsed chunks are equal; only the raw streams
+    with heartbeats on carry comments (before the first token and in every gap)."""
+    targets = {
+        ("on", "direct"): paced.workers[0],
+        ("on", "router"): paced.router,
+        ("off", "direct"): paced_quiet.workers[0],
+        ("off", "router"): paced_quiet.router,
+    }
+    jobs = [(target, name) for target in targets for name in SESSIONS]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {job: pool.submit(SESSIONS[job[1]], targets[job[0]]) for job in jobs}
+        results = {job: future.result(timeout=TIMEOUT) for job, future in futures.items()}
+
+    for way in ("direct", "router"):
+        for name in SESSIONS:
+            on, heard_on = results[("on", way), name]
+            off, heard_off = results[("off", way), name]
+            assert on == off, f"{name}, {way}"
+            assert len(on) >= 4, on  # at least a chunk per token
+            if name.startswith("httpx"):
+                # 0.35 s before the first token and 0.3 s before each of the other
+                # three: a heartbeat in each of those four silences, none when off.
+                assert heard_on >= 4, f"{name}, {way}: {on}"
+                assert heard_off == 0, f"{name}, {way}"
+    for name in SESSIONS:  # and the router changes nothing either
+        assert results[("on", "router"), name] == results[("on", "direct"), name], name
+    paced.require_workers_alive()
+    paced_quiet.require_workers_alive()
+
+
+# -- a prefill/decode pair behind the router in PD mode -------------------------------------
+#
+# The router sends one body to both servers and answers nothing before the
+# prefill server has; then it streams the decode server's answer. A client gone
+# during the prefill is noticed at once (nothing answered yet, heartbeats or
+# not); one gone in a gap of the decode stream, at the next heartbeat.
+
+#: 0.05 s per prompt token in forwards of 4: a PD_PROMPT of 100 words prefills in 5 s,
+#: and a cancel takes effect after the forward in progress (0.2 s).
+PD_PREFILL_ARGS = (
+    "--disaggregation-mode", "prefill",
+    "--sim-prefill-time-per-token", "0.05",
+    "--sim-prefill-chunk-tokens", "4",
+)  # fmt: skip
+#: A decode server without a prefill peer (the router's requests carry their
+#: bootstrap fields), TOKEN_GAP between tokens.
+PD_DECODE_ARGS = (
+    "--disaggregation-mode", "decode",
+    "--allowed-bootstrap-hosts", "127.0.0.1",
+    "--sim-token-interval", str(TOKEN_GAP),
+)  # fmt: skip
+PD_PROMPT = " ".join(["word"] * 100)
+#: The prefill server's SimEngine events a test counts from.
+PD_PREFILL_EVENTS = ("prefill_chunk", "abort_applied", "kv_failed", "kv_sent")
+
+
+@dataclass
+class PD:
+    router: str
+    prefill: str
+    decode: str
+
+    @property
+    def servers(self) -> list[str]:
+        return [self.prefill, self.decode]
+
+    def events(self, kind: str) -> list[float]:
+        """Each server's SimEngine events of ``kind``: [prefill, decode]."""
+        return [metric(scrape(s), "trio_sglang_sim_events_total", kind=kind) for s in self.servers]
+
+
+def pd_registered(router: str, roles: dict[str, str]) -> bool:
+    """Whether the router lists each URL as a healthy worker of its role."""
+    try:
+        workers = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
+    except (httpx.TransportError, ValueError, KeyError):
+        return False
+    healthy = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
+    return all(healthy.get(url) == role for url, role in roles.items())
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    log_dir = tmp_path_factory.mktemp("pd")
+    started: list[Process] = []
+    try:
+        ((prefill, prefill_url),) = start_workers(["prefill"], log_dir, *PD_PREFILL_ARGS)
+        started.append(prefill)
+        ((decode, decode_url),) = start_workers(["decode"], log_dir, *PD_DECODE_ARGS)
+        started.append(decode)
+        bootstrap_port = prefill_url.rsplit(":", 1)[1]
+        args = ["--pd-disaggregation", "--prefill", prefill_url, bootstrap_port]
+        args += ["--decode", decode_url, "--log-level", "warn"]
+        router, url = start_router(log_dir, [], *args, watched=[prefill, decode])
+        started.append(router)
+        roles = {prefill_url: "prefill", decode_url: "decode"}
+        wait_until(
+            "the router to register both sides",
+            lambda: pd_registered(url, roles),
+            TIMEOUT,
+            *started,
+        )
+        yield PD(url, prefill_url, decode_url)
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def pd_idle(pd: PD) -> bool:
+    """Neither server holds a request, and the prefill server holds no KV room."""
+    prefill = scrape(pd.prefill)
+    held = metric(prefill, "trio_sglang_engine_live_requests") + metric(
+        prefill, "trio_sglang_kv_rooms"
+    )
+    return held == 0 and live(pd.decode) == 0
+
+
+def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_both(
+    pd: PD, record_property: Callable[[str, object], None]
+) -> None:
+    wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
+    requests = "trio_sglang_requests_total"
+    cancelled = [metric(scrape(s), requests, outcome="cancelled") for s in pd.servers]
+    chunks, aborted, failed, sent = (pd.events(kind) for kind in PD_PREFILL_EVENTS)
+    body = {**generate_body(50), "text": PD_PROMPT}
+    with contextlib.closing(post_raw(pd.router, "/generate", body)) as sock:
+        wait_for(
+            "the prefill computing, the decode server holding the request",
+            lambda: pd.events("prefill_chunk")[0] > chunks[0] and live(pd.decode) == 1,
+            TIMEOUT,
+        )
+        assert nothing_received(sock)  # the router has not answered
+        left = time.monotonic()
+    # No heartbeat involved: the router notices at once. The prefill stops after
+    # the forward in progress (0.2 s), so the same bound holds.
+    wait_for("both servers idle, no room left", lambda: pd_idle(pd), HEARTBEAT_BOUND)
+    took = time.monotonic() - left
+    print(f"PD: client gone during the prefill -> both servers idle: {took:.3f} s")
+    record_property("pd_prefill_let_go_s", round(took, 3))
+
+    # The prefill stopped before its end (25 forwards) and sent no KV cache.
+    forwards = pd.events("prefill_chunk")[0] - chunks[0]
+    assert forwards < len(PD_PROMPT.split()) / 4
+    stops = pd.events("abort_applied")[0] - aborted[0] + pd.events("kv_failed")[0] - failed[0]
+    assert stops == 1
+    assert pd.events("kv_sent")[0] == sent[0]
+    assert pd.events("abort_applied")[1] == aborted[1] + 1  # and the decode leg aborted
+    after = [metric(scrape(s), requests, outcome="cancelled") for s in pd.servers]
+    assert deltas(after, cancelled) == [1, 1]
+
+
+def test_behind_the_router_in_pd_mode_a_client_gone_in_a_decode_gap_is_let_go_within_a_heartbeat(
+    pd: PD, record_property: Callable[[str, object], None]
+) -> None:
+    wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
+    tokens = pd.events("token")[1]
+    mid_stream = metric(scrape(pd.decode), "trio_sglang_cancellations_total", phase="mid_stream")
+    with contextlib.ExitStack() as stack:
+        streams = open_streams(stack, pd.router, [("/generate", generate_body(LONG))])
+        ((_, _, lines),) = streams
+        assert len(first_token_then_heartbeat(lines)) == 1  # the first token, then a gap
+        left = leave(streams)
+        wait_for("both servers idle", lambda: pd_idle(pd), HEARTBEAT_BOUND)
+        took = time.monotonic() - left
+    print(f"PD: client gone mid-stream -> both servers idle: {took:.3f} s")
+    record_property("pd_mid_stream_let_go_s", round(took, 3))
+    assert pd.events("token")[1] == tokens + 1  # the second token never came
+    gained = metric(scrape(pd.decode), "trio_sglang_cancellations_total", phase="mid_stream")
+    assert gained == mid_stream + 1
+
+
+# -- benchmarks/router_cancel.py ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_router_cancel_benchmark_runs_and_prints_its_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny run of the benchmark (a trial a cell, 0.5 s waits): every trial ends, the table
+    has its four rows; no timing is asserted."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import router_cancel
+
+    args = ["--repeat", "1", "--first-token-delay", "0.5", "--token-gap", "0.5", "--dwell", "0.1"]
+    assert router_cancel.main(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = [line for line in table if line.startswith("heartbeats")]
+    assert [row.split("  ")[0] for row in rows] == [
+        "heartbeats 0.1 s, router",
+        "heartbeats 0.1 s, direct",
+        "heartbeats off, router",
+        "heartbeats off, direct",
+    ]
+    assert "never" not in "\n".join(rows)

@@ -65,6 +65,7 @@ async def test_a_signal_ends_open_streams_then_the_server(signum: signal.Signals
             proc.kill()
     error = json.loads(events[-2].removeprefix("data: "))
     assert "shutting down" in error["error"]["message"]
+    assert (error["error"]["type"], error["error"]["code"]) == ("server_error", "shutting_down")
     assert events[-1] == "data: [DONE]"
     assert len(events) < 50  # ended by the signal, not by the 1000 tokens
     assert f"received {signum.name}" in log.decode()
@@ -110,3 +111,18 @@ async def test_the_start_up_line_names_the_role_the_engine_and_the_address(
         assert await proc.wait() == 0
     [line] = [line for line in log.decode().splitlines() if "serving " in line]
     assert line.endswith(f"serving trio-sglang-sim on {url} (role {role}, engine sim)")
+
+
+async def test_served_model_name_repeated_names_aliases() -> None:
+    proc, url, log = await start("--served-model-name", "primary", "--served-model-name", "alias")
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            models = (await client.get("/v1/models")).json()["data"]
+            info = (await client.get("/server_info")).json()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        with trio.fail_after(10):
+            await proc.wait()
+    assert [model["id"] for model in models] == ["primary", "alias"]
+    assert info["served_model_name"] == "primary"
+    assert f"serving primary,alias on {url}" in log.decode()

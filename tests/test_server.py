@@ -57,16 +57,15 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[StartServer]:
     clients: list[httpx.AsyncClient] = []
 
     async def start(**knobs: Any) -> Server:
-        """A server on ``SimEngine(**knobs)``; ``limits`` (or ``max_body_bytes``) to ``serve``."""
+        """A server on ``SimEngine(**knobs)``; ``limits`` (or ``max_body_bytes``) and
+        ``model`` to ``serve``."""
         body_limit = ServerLimits(max_body_bytes=knobs.pop("max_body_bytes", 1 << 20))
-        options = {"limits": knobs.pop("limits", body_limit)}
+        options = {"limits": knobs.pop("limits", body_limit), "model": knobs.pop("model", MODEL)}
         engine = ts.SimEngine(**knobs)
         stop = trio.Event()
         stops.append(stop)
         urls = await nursery.start(
-            partial(
-                serve, engine, port=0, model=MODEL, handle_signals=False, shutdown=stop, **options
-            )
+            partial(serve, engine, port=0, handle_signals=False, shutdown=stop, **options)
         )
         client = httpx.AsyncClient(base_url=urls[0], timeout=10)
         clients.append(client)
@@ -127,7 +126,10 @@ async def test_health_models_capabilities_and_metrics(start_server: StartServer)
     assert info["served_model_name"] == MODEL
     assert (await client.get("/get_model_info")).json()["model_path"] == MODEL
     assert (await client.get("/nope")).status_code == 404
-    assert (await client.get("/generate")).status_code == 405
+    not_allowed = await client.get("/generate")
+    assert (not_allowed.status_code, not_allowed.headers["allow"]) == (405, "POST")
+    not_allowed = await client.post("/health")
+    assert (not_allowed.status_code, not_allowed.headers["allow"]) == (405, "GET, HEAD")
 
 
 # -- generation ----------------------------------------------------------------
@@ -197,8 +199,7 @@ async def test_generate_native_with_the_callers_rid(start_server: StartServer) -
     [
         ("/v1/completions", b"{not json", 400, "malformed JSON"),
         ("/v1/completions", b"[1, 2]", 400, "must be an object"),
-        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
-        ("/v1/completions", {"prompt": "hi"}, 400, "'model' is required"),
+        ("/v1/completions", {"model": 7, "prompt": "hi"}, 400, "'model' must be a string"),
         ("/v1/completions", {"model": MODEL, "prompt": 7}, 400, "'prompt'"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "'n'"),
         (
@@ -232,7 +233,9 @@ async def test_bad_requests_get_a_clear_4xx_and_reach_nothing(
     assert response.status_code == status
     error = response.json()["error"]
     assert message in error["message"]
-    assert error["code"] == status
+    # OpenAI's shape: the status is the response's, ``code`` a string or null (null here).
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"]) == ("invalid_request_error", None)
     assert list(server.engine.trace) == []
 
 
@@ -367,10 +370,16 @@ async def test_openai_sdk_sees_a_clear_error_for_a_bad_request(start_server: Sta
     def call() -> None:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         with client:
-            client.completions.create(model="no-such-model", prompt="hi")
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
 
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as raised:
         await trio.to_thread.run_sync(call)
+    error = raised.value
+    assert (error.code, error.type, error.param) == (
+        "context_length_exceeded",
+        "invalid_request_error",
+        "max_tokens",
+    )
 
 
 async def test_a_broken_http2_connection_does_not_take_the_server_down(

@@ -23,6 +23,7 @@ from ._engines import EngineOptions, open_engine
 from ._limits import API_KEY_ENV, ServerLimits
 from ._policy import AbortPolicy
 from ._version import __version__
+from .bench_endpoint._options import add_options as add_bench_endpoint_options
 from .sim import SimDisaggTiming
 
 if TYPE_CHECKING:
@@ -106,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--served-model-name",
-        help="the model name clients send (default: trio-sglang-sim, or the model folder name)",
+        action="append",
+        help="the model's name in /v1/models and /server_info; repeat it for aliases, the "
+        "first one the model's own (default: trio-sglang-sim, or the model folder name)",
     )
     _add_limits(serve)
     disagg = serve.add_argument_group(
@@ -184,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=timing.kv_wait_timeout,
         help="how long the decode side waits for a KV cache; the default is SGLang's",
     )
+    bench = commands.add_parser(
+        "bench-endpoint",
+        help="how fast any serving endpoint lets go of clients that leave, from its own metrics",
+        formatter_class=_HelpFormatter,
+    )
+    add_bench_endpoint_options(bench, count=_positive_int, seconds=_seconds)
     return parser
 
 
@@ -330,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        status = _demo(args) if args.command == "demo" else _serve(args)
+        commands = {"demo": _demo, "serve": _serve, "bench-endpoint": _bench_endpoint}
+        status = commands[args.command](args)
         sys.stdout.flush()  # a reader gone shows here, not in the interpreter's last flush
     except* BrokenPipeError:
         # `trio-sglang demo | head -1`: the reader has what it wanted. Python
@@ -351,6 +361,22 @@ def _refuse(message: str) -> int:
     """A configuration the server cannot run with: one line on stderr, and exit status 2."""
     print(message, file=sys.stderr)
     return 2
+
+
+def _bench_endpoint(args: argparse.Namespace) -> int:
+    try:
+        from .bench_endpoint._command import Refused, run_command
+    except ImportError as exc:
+        return _refuse(
+            "trio-sglang bench-endpoint needs the bench extra: "
+            f"pip install 'trio-sglang[bench]' ({exc})"
+        )
+    refusal = ""
+    try:
+        return run_command(args)
+    except* Refused as refused:
+        refusal = str(_first(refused))
+    return _refuse(refusal)
 
 
 def _serve(args: argparse.Namespace) -> int:

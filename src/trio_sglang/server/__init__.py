@@ -1,10 +1,13 @@
 """The HTTP server: ``trio-sglang serve`` (needs the ``serve`` extra).
 
-SGLang's native ``POST /generate``, OpenAI's ``POST /v1/completions`` and
-``POST /v1/chat/completions`` (server-sent events when ``stream`` is true),
-``GET /health``, ``GET /v1/models``, ``GET /capabilities`` and
-``GET /metrics``, on hypercorn's trio worker. A client that disconnects stops
-its request at once.
+SGLang's native ``POST /generate`` and ``POST /abort_request`` (by exact
+id), OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(server-sent events when ``stream`` is true), ``GET /health``,
+``GET /v1/models``, ``GET /capabilities`` and ``GET /metrics``, on
+hypercorn's trio worker. A client that disconnects stops its request at
+once, and so does one that stops reading: every resource a client can make
+the server hold is bounded by ``ServerLimits``, and a second SIGINT or
+SIGTERM ends the shutdown at once (``ForcedShutdown``).
 
 Prefill/decode disaggregation across processes: ``HTTPPrefill`` is a prefill
 server as a decode worker's ``PrefillPeer``; a prefill server on the

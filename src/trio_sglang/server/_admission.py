@@ -36,11 +36,22 @@ from ._metrics import RefusalReason, ServerMetrics
 __all__ = ["Admission", "Refused"]
 
 
+#: OpenAI's error codes, where OpenAI has one for the refusal; any other refusal's
+#: code is its reason, the label it is counted under.
+_OPENAI_CODES: dict[RefusalReason, str] = {
+    "unauthorized": "invalid_api_key",
+    "context_length": "context_length_exceeded",
+}
+
+
 class Refused(HTTPError):
-    """A request that admission refused, and why (its ``trio_sglang_requests_refused`` reason)."""
+    """A request that admission refused, and why (its ``trio_sglang_requests_refused`` reason).
+
+    The reason is also the error body's ``code``, or OpenAI's code for it.
+    """
 
     def __init__(self, reason: RefusalReason, status: int, message: str, **details: Any) -> None:
-        super().__init__(status, message, **details)
+        super().__init__(status, message, code=_OPENAI_CODES.get(reason, reason), **details)
         self.reason = reason
 
 

@@ -4,15 +4,17 @@ A response that is being generated always has a second task reading the
 connection: hypercorn delivers ``http.disconnect`` the moment the client goes,
 even while the response is idle between tokens, and that task turns it into
 ``ctx.kill()``. So a disconnect stops the request through the worker's
-lifecycle at once, with no fixed delay.
+lifecycle at once, with no fixed delay. ``POST /abort_request`` reaches the
+same lifecycle from another connection: it stops the context of the request
+it names (``_inflight.py``), and that request's response ends as SGLang ends
+an aborted one.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -39,17 +41,21 @@ from ._asgi import (
     start_sse,
 )
 from ._connection import DropReason, current_connection
-from ._errors import HTTPError, error_body
+from ._errors import HTTPError, error_body, method_not_allowed
+from ._inflight import InFlight, abort_target
 from ._kv_rooms import ROOMS_PATH, KVRoomsApp
 from ._metrics import Outcome, ServerMetrics
 from ._native import NativePlan
 from ._openai import ChatPlan, CompletionPlan
-from ._outbox import Outbox
+from ._outbox import Heartbeats, Outbox
 from ._plan import Plan
 
 __all__ = ["ServerApp"]
 
 logger = logging.getLogger("trio_sglang.server")
+
+#: The model an OpenAI request names when it names none (SGLang's ``DEFAULT_MODEL_NAME``).
+_SGLANG_DEFAULT_MODEL = "default"
 
 
 class ServerApp:
@@ -58,14 +64,17 @@ class ServerApp:
         worker: Worker,
         metrics: ServerMetrics,
         *,
-        model: str,
+        model: str | Sequence[str],
         limits: ServerLimits | None = None,
         kv_rooms: HostedKVRooms | None = None,
         prefill: PrefillPeer | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
-        self.model = model
+        #: The served model's names, the first one its own (``--served-model-name``, repeated).
+        self.models = (model,) if isinstance(model, str) else tuple(model)
+        if not self.models or not all(isinstance(name, str) and name for name in self.models):
+            raise ValueError(f"model must be a name or names, got {model!r}")
         self.limits = ServerLimits() if limits is None else limits
         context_length = worker.engine.features().get("context_length")
         self._admission = Admission(
@@ -76,8 +85,10 @@ class ServerApp:
             prefill=prefill,
         )
         self.created = int(time.time())
+        #: Run by the server for as long as it takes requests (``HTTPServer.run``).
+        self.heartbeats = Heartbeats(self.limits.sse_heartbeat)
         self._closing = False
-        self._contexts: set[RequestContext] = set()
+        self._inflight = InFlight()
         # A prefill server's bootstrap routes; served while it shuts down too,
         # so that the decode side's last abort notifications still land.
         self._rooms = None if kv_rooms is None else KVRoomsApp(kv_rooms)
@@ -92,8 +103,7 @@ class ServerApp:
         their engine-side cleanup goes on in the worker.
         """
         self._closing = True
-        for ctx in list(self._contexts):
-            ctx.stop()
+        self._inflight.stop_all()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # HTTP only: ``serve_http`` runs no ASGI lifespan (the worker is entered
@@ -119,6 +129,9 @@ class ServerApp:
             "/model_info": self._model_info,
             "/get_model_info": self._model_info,
         }
+        actions: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+            "/abort_request": self._abort_request,
+        }
         rooms = self._rooms if path.startswith(ROOMS_PATH) else None
         try:
             # /health is for load balancers, which send no key; the rooms are for
@@ -127,24 +140,47 @@ class ServerApp:
         except HTTPError as exc:
             await send_json(send, exc.status, exc.body(), exc.headers)
             return
+        allowed = ("POST",) if path in posts or path in actions else ("GET", "HEAD")
         if rooms is not None:
             await rooms(scope, receive, send)
-        elif path in posts and method == "POST":
+        elif path not in posts and path not in actions and path not in gets:
+            await send_json(send, 404, error_body(f"no route {path}"))
+        elif method not in allowed:
+            error = method_not_allowed(method, path, allowed)
+            await send_json(send, error.status, error.body(), error.headers)
+        elif path in posts:
             await self._generate(path, posts[path], scope, receive, send)
-        elif path in gets and method in ("GET", "HEAD"):
-            await gets[path](send)
-        elif path in posts or path in gets:
-            await send_json(send, 405, error_body(f"{method} is not allowed on {path}", code=405))
+        elif path in actions:
+            await actions[path](scope, receive, send)
         else:
-            await send_json(send, 404, error_body(f"no route {path}", code=404))
+            await gets[path](send)
 
     def _model_of(self, body: dict[str, Any]) -> str:
+        """The model name a response carries: whichever the client sent, as SGLang does.
+
+        SGLang 0.5.23 serves any ``model`` on its OpenAI routes: nothing checks
+        the name (``OpenAIServingBase.handle_request``), it defaults to
+        ``"default"`` (``CompletionRequest.model``, ``ChatCompletionRequest.model``
+        in ``protocol.py``), and responses carry the name sent
+        (``model=request.model`` in ``serving_completions.py`` and
+        ``serving_chat.py``). Except ``name:adapter``, which asks for a LoRA
+        adapter (``OpenAIServingBase._parse_model_parameter``): a server without
+        LoRA refuses it (``TokenizerManager._validate_and_resolve_lora``), and
+        this one has none.
+        """
         model = body.get("model")
+        if model is None:
+            return _SGLANG_DEFAULT_MODEL
         if not isinstance(model, str):
-            raise HTTPError(400, "'model' is required", param="model")
-        if model != self.model:
+            raise HTTPError(400, "'model' must be a string", param="model")
+        adapter = _lora_adapter(model, self.models)
+        if adapter is not None:
             raise HTTPError(
-                404, f"The model `{model}` does not exist.", kind="model_not_found", param="model"
+                400,
+                f"LoRA adapter '{adapter}' was requested, but this server serves no "
+                f"LoRA adapters; its models: {', '.join(self.models)}",
+                code="model_not_found",
+                param="model",
             )
         return model
 
@@ -155,13 +191,11 @@ class ServerApp:
             await send_json(send, 200, {"status": "ok"})
 
     async def _models(self, send: Send) -> None:
-        model = {
-            "id": self.model,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "trio-sglang",
-        }
-        await send_json(send, 200, {"object": "list", "data": [model]})
+        models = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "trio-sglang"}
+            for name in self.models
+        ]
+        await send_json(send, 200, {"object": "list", "data": models})
 
     async def _server_info(self, send: Send) -> None:
         caps = self.worker.capabilities()
@@ -169,21 +203,40 @@ class ServerApp:
             send,
             200,
             {
-                "served_model_name": self.model,
-                "model_path": self.model,
+                "served_model_name": self.models[0],
+                "model_path": self.models[0],
                 "version": caps["engine"]["sglang_version"],
                 "trio_sglang": caps["package"]["version"],
             },
         )
 
     async def _model_info(self, send: Send) -> None:
-        await send_json(send, 200, {"model_path": self.model, "is_generation": True})
+        await send_json(send, 200, {"model_path": self.models[0], "is_generation": True})
 
     async def _capabilities(self, send: Send) -> None:
         await send_json(send, 200, self.worker.capabilities())
 
     async def _metrics(self, send: Send) -> None:
         await send_text(send, 200, self.metrics.render().decode(), b"text/plain; version=0.0.4")
+
+    async def _abort_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's ``POST /abort_request``, by exact public id (see ``_inflight.py``).
+
+        SGLang answers 200 and no body, found or not (``abort_request`` in its
+        ``http_server.py``); this answers 200 too, with what it stopped:
+        ``{"found": bool, "aborted": count}``.
+        """
+        try:
+            # JSON only, as for generation: a web page must not stop anyone's requests.
+            self._admission.check_content_type(scope)
+            target = abort_target(await self._read_body(scope, receive))
+        except ClientGone:
+            return
+        except HTTPError as exc:
+            await send_json(send, exc.status, exc.body(), exc.headers)
+            return
+        aborted = self._inflight.abort(target)
+        await send_json(send, 200, {"found": aborted > 0, "aborted": aborted})
 
     # -- generation ----------------------------------------------------------
 
@@ -201,9 +254,10 @@ class ServerApp:
             plan = parse(body)
             self._admission.check_request(endpoint, body, plan.native)
             if self._closing:
-                raise HTTPError(503, "the server is shutting down", kind="server_error")
+                raise _shutting_down()
+            self._admission.check_load(len(self._inflight))
             # Every request in flight holds a context, from here to its last byte.
-            self._admission.check_load(len(self._contexts))
+            ctx = self._inflight.add(plan.public_id)
         except ClientGone:
             self._count(endpoint, "cancelled", phase="before_headers")
             return
@@ -211,15 +265,13 @@ class ServerApp:
             self._count(endpoint, "rejected")
             await send_json(send, exc.status, exc.body(), exc.headers)
             return
-        ctx = RequestContext(plan.public_id)
-        self._contexts.add(ctx)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, ctx)
                 outcome = await self._respond(plan, ctx, send)
                 nursery.cancel_scope.cancel()
         finally:
-            self._contexts.discard(ctx)
+            self._inflight.discard(ctx)
         phase = None
         if outcome == "cancelled":
             phase = "mid_stream" if plan.children else "before_first_token"
@@ -256,30 +308,46 @@ class ServerApp:
                     async for out in chunks:
                         plan.add(out)
         except InvalidRequest as exc:
-            await send_json(send, 400, error_body(str(exc), code=400))
+            await send_json(send, 400, error_body(str(exc)))
             return "rejected"
         except EngineShutdown:
-            await self._fail(send, started, 503, "the server is shutting down")
+            await self._fail(send, started, _shutting_down())
             return "shutdown"
         except EngineError as exc:  # already logged once by the worker, with its ids
-            await self._fail(send, started, 502, str(exc))
+            await self._fail(
+                send, started, HTTPError(502, str(exc), kind="server_error", code="engine_error")
+            )
             return "failed"
         except Exception:
             logger.exception("request %s failed", plan.public_id)
-            await self._fail(send, started, 500, "internal server error")
+            await self._fail(
+                send, started, HTTPError(500, "internal server error", kind="server_error")
+            )
             return "failed"
         if ctx.killed:
             return "cancelled"  # the client is gone: nothing more to send
-        if ctx.stopped:
-            await self._fail(send, started, 503, "the server is shutting down")
+        aborted = self._inflight.aborted(ctx)
+        if ctx.stopped and not aborted:
+            await self._fail(send, started, _shutting_down())
             return "shutdown"
+        if aborted:
+            # As SGLang ends a request /abort_request stopped: each unfinished
+            # child's last output, finish reason "abort", then the usual end.
+            ends = plan.aborted_outputs(ctx.id)
+            if plan.stream:
+                if not started:
+                    await start_sse(send)
+                await send_sse(send, self._render(plan, ends))
+            else:
+                for out in ends:
+                    plan.add(out)
         if plan.stream:
             for event in plan.closing_events():
                 await send_sse(send, sse_event(event))
             await send_sse(send, SSE_DONE, more=False)
         else:
             await send_json(send, 200, plan.body())
-        return "completed"
+        return "aborted" if aborted else "completed"
 
     async def _stream(
         self, plan: Plan, chunks: ResponseStream, ctx: RequestContext, send: Send
@@ -291,22 +359,29 @@ class ServerApp:
         wait in the outbox, coalesced, within its bound. A client that takes no
         bytes within the stall timeout, or falls behind past the bound, is gone.
         While there is nothing to send (before the first token, in a long gap),
-        a heartbeat goes out every ``sse_heartbeat``: a proxy that only notices
-        a gone client when it writes to it (sglang-router) notices within that.
+        a heartbeat goes out every ``sse_heartbeat`` (``Heartbeats``): a proxy
+        that only notices a gone client when it writes to it (sglang-router)
+        notices within that.
         """
         outbox = Outbox(self.limits.max_unsent_tokens)
-        heartbeat = self.limits.sse_heartbeat or math.inf
+        # Over HTTP/1.1 the connection bounds every write at the socket; over
+        # HTTP/2 a send first waits for the stream's flow-control window,
+        # which only a bound here ends.
+        connection = current_connection()
+        bound_here = connection is None or not connection.http1
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_engine, chunks, outbox, ctx)
-            while (held := await outbox.take(idle_after=heartbeat)) != []:
-                payload = SSE_HEARTBEAT if held is None else self._render(plan, held)
-                # The connection bounds each write too; this bound is for what
-                # waits before the socket (HTTP/2's flow control).
-                with trio.move_on_after(self.limits.client_stall_timeout) as bound:
-                    await send_sse(send, payload)
-                if bound.cancelled_caught:
-                    _drop_client(ctx, "stalled")
-                    break
+            with self.heartbeats.watching(outbox):
+                while (held := await outbox.take()) != []:
+                    payload = SSE_HEARTBEAT if held is None else self._render(plan, held)
+                    if not bound_here:
+                        await send_sse(send, payload)
+                        continue
+                    with trio.move_on_after(self.limits.client_stall_timeout) as bound:
+                        await send_sse(send, payload)
+                    if bound.cancelled_caught:
+                        _drop_client(ctx, "stalled")
+                        break
             nursery.cancel_scope.cancel()
         if outbox.error is not None:  # raised here, not in the nursery: as itself, not a group
             raise outbox.error
@@ -331,18 +406,36 @@ class ServerApp:
         else:
             outbox.close()
 
-    async def _fail(self, send: Send, started: bool, status: int, message: str) -> None:
-        kind = "server_error"
+    async def _fail(self, send: Send, started: bool, error: HTTPError) -> None:
+        """The error as the response, or, once a stream has started, as its last event."""
         if not started:
-            await send_json(send, status, error_body(message, kind=kind, code=status))
+            await send_json(send, error.status, error.body(), error.headers)
             return
-        await send_sse(send, sse_event(error_body(message, kind=kind, code=status)))
+        await send_sse(send, sse_event(error.body()))
         await send_sse(send, SSE_DONE, more=False)
 
     def _count(self, endpoint: str, outcome: Outcome, *, phase: str | None = None) -> None:
         self.metrics.requests.labels(endpoint, outcome).inc()
         if phase is not None:
             self.metrics.cancellations.labels(phase).inc()
+
+
+def _lora_adapter(model: str, names: Sequence[str]) -> str | None:
+    """The LoRA adapter ``model`` asks for (``name:adapter``), read as SGLang reads it.
+
+    SGLang's ``_parse_model_parameter``: a served name is never split, even
+    with a colon in it; after a served name and a colon comes the adapter;
+    otherwise after the first colon. An empty adapter is none.
+    """
+    if ":" not in model or model in names:
+        return None
+    served = next((name for name in names if model.startswith(f"{name}:")), None)
+    adapter = model[len(served) + 1 :] if served is not None else model.split(":", 1)[1]
+    return adapter.strip() or None
+
+
+def _shutting_down() -> HTTPError:
+    return HTTPError(503, "the server is shutting down", kind="server_error", code="shutting_down")
 
 
 def _drop_client(ctx: RequestContext, reason: DropReason) -> None:

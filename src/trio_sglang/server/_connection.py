@@ -30,6 +30,7 @@ from typing import Literal
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
@@ -88,6 +89,11 @@ class ClientConnection(TCPServer):
         _current.set(self)  # this task's context: the app's tasks start from a copy of it
         await self.run()
 
+    @property
+    def http1(self) -> bool:
+        """Whether it speaks HTTP/1.1 (not upgraded to HTTP/2): every write is then ours."""
+        return isinstance(self.protocol.protocol, H11Protocol)
+
     def drop(self, reason: DropReason) -> None:
         """Reset the connection now (idempotent); counted and logged once.
 
@@ -135,7 +141,9 @@ class ClientConnection(TCPServer):
                 if bound.cancelled_caught:
                     self.drop("stalled")
                     return False
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            # Busy: hypercorn is closing the stream beside this write, the
+            # client having gone between two writes of one answer.
             return False
         return True
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 from typing import cast
 
 import trio
@@ -59,10 +60,6 @@ class HTTPServer:
         self._grace = trio.CancelScope()
         self._starved = False  # accept() is out of descriptors: logged once per episode
 
-    @property
-    def connections(self) -> int:
-        return len(self._open)
-
     def hurry(self) -> None:
         """End the shutdown grace now (a second signal): open connections are reset."""
         self._grace.cancel()
@@ -88,12 +85,13 @@ class HTTPServer:
         urls = []
         for sock in sockets.insecure_sockets:
             sock.listen(self._config.backlog)
-            listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+            listeners.append((trio.SocketListener(trio.socket.from_stdlib_socket(sock)), sock))
             urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
         async with trio.open_nursery() as handlers:
             async with trio.open_nursery() as accepting:
-                for listener in listeners:
-                    accepting.start_soon(self._accept, listener, handlers)
+                accepting.start_soon(self._app.heartbeats.run)
+                for listener, sock in listeners:
+                    accepting.start_soon(self._accept, listener, sock, handlers)
                 task_status.started(urls)
                 await shutdown.wait()
                 self._app.close()  # end the responses; their cleanup is the worker's
@@ -110,10 +108,31 @@ class HTTPServer:
                 connection.drop("shutdown")
             handlers.cancel_scope.cancel()
 
-    async def _accept(self, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
+    async def _accept(
+        self, listener: trio.SocketListener, sock: socket.socket, handlers: trio.Nursery
+    ) -> None:
         async with listener:  # closed when accepting ends: new clients are refused from then on
             while True:
                 await self._accept_one(listener, handlers)
+                self._accept_waiting(sock, handlers)
+
+    def _accept_waiting(self, sock: socket.socket, handlers: trio.Nursery) -> None:
+        """Every connection already waiting, while there is room, without a checkpoint each.
+
+        A busy server schedules its accepting task once per round of all its
+        runnable tasks: one connection per round leaves a burst of clients in
+        the kernel's queue for seconds. ``sock`` is the listener's own
+        socket, non-blocking since trio took it.
+        """
+        while self._slots.value > 0:
+            try:
+                client, _ = sock.accept()
+            except OSError:  # none waiting (EAGAIN), or none possible now: the awaited path
+                return
+            self._slots.acquire_nowait()
+            handlers.start_soon(
+                self._serve, trio.SocketStream(trio.socket.from_stdlib_socket(client))
+            )
 
     async def _accept_one(self, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
         try:

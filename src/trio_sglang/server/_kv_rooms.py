@@ -44,7 +44,7 @@ import trio
 
 from .._kv_rooms import BootstrapAddr, HostedKVRooms, RoomEvent
 from ._asgi import ClientGone, Receive, Scope, Send, read_json, send_json
-from ._errors import HTTPError
+from ._errors import HTTPError, method_not_allowed
 
 __all__ = ["ROOMS_PATH", "HTTPKVRooms", "KVRoomsApp", "open_http_kv_rooms"]
 
@@ -91,11 +91,11 @@ class KVRoomsApp:
                 if events is not None:
                     await send_json(send, 200, {"events": sorted(events)})
             else:
-                raise HTTPError(405, f"{scope['method']} is not allowed on {scope['path']}")
+                raise method_not_allowed(scope["method"], scope["path"], ("GET", "POST"))
         except ClientGone:
             return
         except HTTPError as exc:
-            await send_json(send, exc.status, exc.body())
+            await send_json(send, exc.status, exc.body(), exc.headers)
 
     def _record(self, room: int, message: dict[str, Any]) -> None:
         events, done = message.get("events", []), message.get("done", False)

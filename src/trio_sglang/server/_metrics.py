@@ -22,7 +22,7 @@ from .._worker import Worker
 __all__ = ["CancelPhase", "CountsEvents", "RefusalReason", "ServerMetrics"]
 
 CancelPhase = Literal["before_headers", "before_first_token", "mid_stream"]
-Outcome = Literal["completed", "cancelled", "rejected", "failed", "shutdown"]
+Outcome = Literal["completed", "aborted", "cancelled", "rejected", "failed", "shutdown"]
 #: Why the server's admission refused a request before the engine saw it (``_admission.py``).
 RefusalReason = Literal[
     "unauthorized",

@@ -20,7 +20,10 @@ class NativePlan(Plan):
     """
 
     def __init__(self, native: dict[str, Any], stream: bool, n: int, many: bool) -> None:
-        super().__init__(native, f"gen-{uuid.uuid4().hex}", stream, n)
+        rid = native.get("rid")
+        # The request's id: what /abort_request names it by (a rid list names children).
+        public_id = rid if isinstance(rid, str) and rid else f"gen-{uuid.uuid4().hex}"
+        super().__init__(native, public_id, stream, n)
         self.many = many  # a list comes back, as SGLang answers batches and n > 1
 
     @classmethod

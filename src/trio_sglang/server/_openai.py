@@ -7,7 +7,7 @@ import math
 import reprlib
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import HTTPError
 from ._plan import Plan
@@ -126,19 +126,33 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> tuple[dict[str, A
     return params, n
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+class _StreamFlags(NamedTuple):
+    stream: bool
+    #: A last chunk with the request's usage (``stream_options.include_usage``).
+    include_usage: bool
+    #: Every chunk with its choice's usage (``stream_options.continuous_usage_stats``).
+    continuous_usage: bool
+
+
+def _stream_flags(body: dict[str, Any]) -> _StreamFlags:
+    """``stream``, and the two usage options of ``stream_options``.
+
+    As in SGLang (``should_include_usage``), each option stands alone: continuous
+    usage does not need ``include_usage``, and null is false.
+    """
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise HTTPError(400, "'stream' must be a bool", param="stream")
     options = body.get("stream_options")
     if not isinstance(options, dict | None):  # false, 0 and "" too: they are not options
         raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
-    include_usage = (options or {}).get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise HTTPError(
-            400, "'stream_options.include_usage' must be a bool", param="stream_options"
-        )
-    return stream, include_usage
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = (options or {}).get(key)
+        if not isinstance(value, bool | None):
+            raise HTTPError(400, f"'stream_options.{key}' must be a bool", param="stream_options")
+        flags.append(bool(value))
+    return _StreamFlags(stream, *flags)
 
 
 class _OpenAIPlan(Plan):
@@ -147,12 +161,17 @@ class _OpenAIPlan(Plan):
     id_prefix = ""
 
     def __init__(
-        self, native: dict[str, Any], stream: bool, n: int, model: str, include_usage: bool
+        self,
+        native: dict[str, Any],
+        model: str,
+        flags: _StreamFlags,
+        n: int,
     ) -> None:
-        super().__init__(native, f"{self.id_prefix}{uuid.uuid4().hex}", stream, n)
+        super().__init__(native, f"{self.id_prefix}{uuid.uuid4().hex}", flags.stream, n)
+        self.include_usage = flags.include_usage
+        self.continuous_usage = flags.continuous_usage
         self.model = model
         self.created = int(time.time())
-        self.include_usage = include_usage
 
     def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -162,6 +181,17 @@ class _OpenAIPlan(Plan):
             "model": self.model,
             "choices": choices,
         }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """A streamed chunk of one choice; with ``continuous_usage_stats``, its usage so far.
+
+        As SGLang's: every chunk that carries a choice carries that choice's
+        own usage (its prompt, its completion so far), not the request's.
+        """
+        chunk = self._envelope(self.chunk_name, [choice])
+        if self.continuous_usage:
+            chunk["usage"] = self.child_usage(choice["index"])
+        return chunk
 
     def closing_events(self) -> list[dict[str, Any]]:
         if not self.include_usage:
@@ -197,15 +227,14 @@ class CompletionPlan(_OpenAIPlan):
             )
         max_tokens = _int(body, "max_tokens", low=0, default=_COMPLETIONS_DEFAULT_MAX_TOKENS)
         native["sampling_params"], n = _sampling(body, max_tokens)
-        stream, include_usage = _stream_flags(body)
-        return cls({**native, **_bootstrap(body)}, stream, n, model, include_usage)
+        return cls({**native, **_bootstrap(body)}, model, _stream_flags(body), n)
 
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
     def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
         reason = self.children[index].finish_reason
-        return [self._envelope(self.chunk_name, [self._choice(index, out.get("text", ""), reason)])]
+        return [self._chunk(self._choice(index, out.get("text", ""), reason))]
 
     def body(self) -> object:
         choices = [
@@ -230,13 +259,16 @@ class ChatPlan(_OpenAIPlan):
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", low=0, default=None)
         native["sampling_params"], n = _sampling(body, max_tokens)
-        stream, include_usage = _stream_flags(body)
-        return cls({**native, **_bootstrap(body)}, stream, n, model, include_usage)
+        return cls({**native, **_bootstrap(body)}, model, _stream_flags(body), n)
 
     def __init__(
-        self, native: dict[str, Any], stream: bool, n: int, model: str, include_usage: bool
+        self,
+        native: dict[str, Any],
+        model: str,
+        flags: _StreamFlags,
+        n: int,
     ) -> None:
-        super().__init__(native, stream, n, model, include_usage)
+        super().__init__(native, model, flags, n)
         self._spoken: set[int] = set()  # children whose first delta (with the role) went out
 
     def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -251,7 +283,7 @@ class ChatPlan(_OpenAIPlan):
             "logprobs": None,
             "finish_reason": child.finish_reason,
         }
-        return [self._envelope(self.chunk_name, [choice])]
+        return [self._chunk(choice)]
 
     def body(self) -> object:
         choices = [

@@ -11,14 +11,15 @@ the response's bound: the client is then treated as gone.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
 
 from .._increments import IncrementQueue
 
-__all__ = ["Outbox"]
+__all__ = ["Heartbeats", "Outbox"]
 
 
 class Outbox:
@@ -31,6 +32,10 @@ class Outbox:
         #: What ended the reading early, for the sender to raise once it has sent the rest.
         self.error: Exception | None = None
         self._wakeup: trio.Event | None = None
+        #: Takes so far, and at the heartbeat's last look: equal means the sender was idle.
+        self._takes = 0
+        self._takes_seen = 0
+        self._beat_due = False
 
     @property
     def behind(self) -> bool:
@@ -47,21 +52,62 @@ class Outbox:
         self.error = error
         self._wake()
 
-    async def take(self, *, idle_after: float = math.inf) -> list[dict[str, Any]] | None:
+    async def take(self) -> list[dict[str, Any]] | None:
         """Everything held, in order, once there is something; ``[]`` once closed and taken.
 
-        ``None`` if nothing came for ``idle_after`` seconds (the response is idle).
+        ``None`` when the heartbeat found the response idle: time for a sign of life.
         """
+        while not self._held and not self._closed and not self._beat_due:
+            self._wakeup = trio.Event()
+            await self._wakeup.wait()
+        self._takes += 1
         if not self._held and not self._closed:
-            with trio.move_on_after(idle_after):
-                while not self._held and not self._closed:
-                    self._wakeup = trio.Event()
-                    await self._wakeup.wait()
-            if not self._held and not self._closed:
-                return None
+            self._beat_due = False
+            return None
         return self._held.take_all()
+
+    def look(self) -> None:
+        """The heartbeat's look: idle since the last one, the sender is woken for a beat."""
+        if self._takes == self._takes_seen:
+            self._beat_due = True
+            self._wake()
+        self._takes_seen = self._takes
 
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
+
+
+class Heartbeats:
+    """One task that keeps every idle streaming response audible; nothing per token.
+
+    It looks at every open outbox twice per ``interval``, and wakes the
+    sender of one that sent nothing since its previous look: so a response
+    is never silent for longer than ``interval``, and an idle one beats once
+    per ``interval``. A response that is sending pays one counter per send.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._outboxes: set[Outbox] = set()
+
+    @contextmanager
+    def watching(self, outbox: Outbox) -> Iterator[None]:
+        if not self._interval:
+            yield
+            return
+        self._outboxes.add(outbox)
+        try:
+            yield
+        finally:
+            self._outboxes.discard(outbox)
+
+    async def run(self) -> None:
+        """Look until cancelled (for as long as the server takes requests)."""
+        if not self._interval:
+            return
+        while True:
+            await trio.sleep(self._interval / 2)
+            for outbox in self._outboxes:
+                outbox.look()

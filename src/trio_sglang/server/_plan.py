@@ -6,7 +6,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._outputs import PublicIds
+from .._request import parse_request
+
 __all__ = ["ChildResult", "Plan"]
+
+#: The finish reason SGLang gives a request that ``/abort_request`` stopped while
+#: it ran (``FINISH_ABORT().to_json()``, SGLang 0.5.23). It has no status code, so
+#: SGLang ends the response as for any finish, with no error (its
+#: ``_handle_abort_finish_reason``, and the OpenAI servers after it).
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 @dataclass
@@ -48,6 +57,31 @@ class Plan(ABC):
             )
         return index, child
 
+    def aborted_outputs(self, request_id: str) -> list[dict[str, Any]]:
+        """The last output of each child ``/abort_request`` stopped, as SGLang's.
+
+        Every child not finished yet, seen or not, ends with no new tokens and
+        the finish reason ``ABORTED``, under its public id (``request_id`` is
+        the request's, its ``RequestContext``'s); its counts are its last ones.
+        """
+        parsed = parse_request(self.native, "native")  # as the worker parsed it, without fail
+        ids = PublicIds.for_request(parsed, request_id)
+        outs = []
+        for index in range(parsed.children):
+            child = self.children.get(index)
+            if child is not None and child.finish_reason is not None:
+                continue
+            meta = {"completion_tokens": 0} if child is None else child.meta
+            out: dict[str, Any] = {
+                "text": "",
+                "output_ids": [],
+                "meta_info": {**meta, "id": ids.child(index), "finish_reason": dict(ABORTED)},
+            }
+            if not parsed.single_sample:
+                out["index"] = index
+            outs.append(out)
+        return outs
+
     def usage(self) -> dict[str, int]:
         """OpenAI usage: each prompt counted once, every child's completion."""
         prompt_tokens: dict[int, int] = {}
@@ -55,12 +89,16 @@ class Plan(ABC):
         for index, child in self.children.items():
             prompt_tokens[index // self.n] = int(child.meta.get("prompt_tokens", 0))
             completion += int(child.meta.get("completion_tokens", 0))
-        prompt = sum(prompt_tokens.values())
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        return _usage(sum(prompt_tokens.values()), completion)
+
+    def child_usage(self, index: int) -> dict[str, int]:
+        """One child's usage so far: its prompt and its completion.
+
+        Read from the newest output's ``meta_info``, which counts every token
+        so far, also when one event carries several (a client behind, ``Outbox``).
+        """
+        meta = self.children[index].meta
+        return _usage(int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0)))
 
     @abstractmethod
     def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -73,3 +111,11 @@ class Plan(ABC):
     @abstractmethod
     def body(self) -> object:
         """The whole response, for a request that did not ask to stream."""
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }

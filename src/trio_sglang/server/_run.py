@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import trio
@@ -49,7 +49,7 @@ async def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    model: str = "trio-sglang",
+    model: str | Sequence[str] = "trio-sglang",
     policy: AbortPolicy | None = None,
     limits: ServerLimits | None = None,
     handle_signals: bool = True,
@@ -63,8 +63,10 @@ async def serve(
     ``task_status.started`` receives the URLs the server listens on (useful
     with ``port=0``). ``limits`` bounds what clients can make the server hold
     (``ServerLimits``); the shutdown grace and the engine's close are
-    ``policy``'s. Prefill/decode disaggregation: ``prefill`` is a decode
-    worker's prefill peer (``open_worker(prefill=...)``, e.g. ``HTTPPrefill``);
+    ``policy``'s. ``model`` is the served model's name, or its names (the
+    first its own, the others aliases), which ``/v1/models`` lists.
+    Prefill/decode disaggregation: ``prefill`` is a decode worker's prefill
+    peer (``open_worker(prefill=...)``, e.g. ``HTTPPrefill``);
     ``kv_rooms``, the rooms of a prefill ``SimEngine`` (its ``SimKVRooms``),
     is served to decode servers under ``/bootstrap/rooms/`` (SGLang's
     bootstrap server, on this server's HTTP port; see ``_kv_rooms.py``).
@@ -97,7 +99,8 @@ async def serve(
                 urls: list[str] = await serving.start(partial(http.run, shutdown))
                 # The URL right after "on", where scripts look for it (the tests'
                 # and the load benchmark's `serving \S+ on (http://\S+)`).
-                logger.info("serving %s on %s (%s)", model, ", ".join(urls), _describe(worker))
+                names = ",".join(app.models)
+                logger.info("serving %s on %s (%s)", names, ", ".join(urls), _describe(worker))
                 task_status.started(urls)
             logger.info("HTTP server stopped; finishing engine-side cleanup")
         watching.cancel_scope.cancel()

@@ -1,0 +1,220 @@
+"""One client's request: send, read the server-sent events, and leave the way its phase says.
+
+Each client has its own ``httpx.AsyncClient`` and so its own connection, as
+separate users have; leaving closes that connection, which is all a server
+ever sees of a client that goes. A clean close sends FIN; a reset sets
+SO_LINGER to 0 on the socket first, so the kernel sends RST instead, as it
+does for a killed process.
+
+Leaving right after sending uses httpcore's trace hook, which says when the
+request's last byte was written: the client cancels its read there, and
+httpcore closes the connection. Every other leave happens between two events
+(or at ``--leave-delay``), the same way. Every visit is bounded by the
+request timeout.
+
+Tokens are counted from the events: exactly on ``/generate`` (its
+``meta_info.completion_tokens``), one per event with text on the OpenAI
+routes (a server that merges tokens into one event, as it may for a client
+that is behind, makes this a lower bound).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import socket
+import ssl
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import trio
+
+from ._apis import API_PATHS, Api
+from ._phases import Phase
+
+__all__ = ["LeaveRule", "Target", "Visit", "discover_model", "visit"]
+
+#: One context for every client: httpx otherwise builds one per client, loading
+#: the CA bundle each time (milliseconds of CPU per client, for nothing on http://).
+_SHARED_SSL = ssl.create_default_context()
+_RESET = [(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))]
+#: httpcore's trace event once the request's last byte is written.
+_SENT = "http11.send_request_body.complete"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where the requests go and what they ask for."""
+
+    url: str
+    api: Api
+    model: str | None
+    headers: dict[str, str]
+    max_tokens: int
+    prompt_words: int
+    ignore_eos: bool
+    timeout: float
+
+    def body(self, index: int, max_tokens: int | None = None) -> dict[str, Any]:
+        """A streaming request in the API's dialect; the index opens the prompt, so that no
+        two requests share a cached prefix."""
+        prompt = f"Request {index}: " + " ".join(["hello"] * self.prompt_words)
+        tokens = self.max_tokens if max_tokens is None else max_tokens
+        if self.api == "sglang-generate":
+            params = {"max_new_tokens": tokens, "ignore_eos": self.ignore_eos}
+            return {"text": prompt, "stream": True, "sampling_params": params}
+        body: dict[str, Any] = {"max_tokens": tokens, "stream": True}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.model is not None:
+            body["model"] = self.model
+        if self.api == "openai-completions":
+            return {**body, "prompt": prompt}
+        return {**body, "messages": [{"role": "user", "content": prompt}]}
+
+    def client(self, *, reset: bool = False) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(
+            verify=_SHARED_SSL, trust_env=False, socket_options=_RESET if reset else None
+        )
+        return httpx.AsyncClient(
+            base_url=self.url, headers=self.headers, timeout=self.timeout, transport=transport
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveRule:
+    #: ``before_first_token``: seconds after sending.
+    delay: float
+    #: ``mid_stream``: token events read before leaving.
+    chunks: int
+
+
+@dataclass(slots=True)
+class Visit:
+    """What one client did and saw, on the trio clock."""
+
+    phase: str
+    sent_at: float = math.nan
+    #: When it left (connection closed), or read ``[DONE]``, or gave up.
+    ended_at: float = math.nan
+    outcome: Literal["left", "completed", "failed"] = "failed"
+    error: str | None = None
+    tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent_at if self.token_times else None
+
+    def itl(self) -> list[float]:
+        times = self.token_times
+        return [later - earlier for earlier, later in itertools.pairwise(times)]
+
+
+async def visit(
+    target: Target,
+    phase: Phase,
+    rule: LeaveRule,
+    record: Visit,
+    index: int,
+    max_tokens: int | None = None,
+) -> None:
+    """One request, to its end or to its phase's moment of leaving; never raises for the server's
+    faults (they end up in ``record``)."""
+    body = target.body(index, max_tokens)
+    async with target.client(reset=phase.reset) as client:
+        with trio.move_on_after(target.timeout) as guard:
+            record.sent_at = trio.current_time()
+            leave = trio.CancelScope()
+            if phase.leave == "before_first_token":
+                leave.deadline = record.sent_at + rule.delay
+
+            async def sent(event: str, info: dict[str, Any]) -> None:
+                if event == _SENT:
+                    leave.cancel()
+
+            trace = {"trace": sent} if phase.leave == "after_send" else {}
+            try:
+                with leave:
+                    await _read(client, target, body, phase, rule, record, trace)
+            except httpx.HTTPError as exc:
+                record.outcome, record.error = "failed", type(exc).__name__
+            if leave.cancelled_caught:
+                record.outcome = "left"
+        if guard.cancelled_caught:
+            record.outcome, record.error = "failed", f"no end within {target.timeout:g} s"
+        if record.outcome != "completed":
+            record.ended_at = trio.current_time()  # its connection is closed by now
+
+
+async def _read(
+    client: httpx.AsyncClient,
+    target: Target,
+    body: dict[str, Any],
+    phase: Phase,
+    rule: LeaveRule,
+    record: Visit,
+    trace: dict[str, Any],
+) -> None:
+    path = API_PATHS[target.api]
+    async with client.stream("POST", path, json=body, extensions=trace) as response:
+        if response.status_code != 200:
+            await response.aread()
+            record.error = f"HTTP {response.status_code}: {response.text[:200]}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # a comment (SSE heartbeat), a blank line, an event name
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if isinstance(event, dict) and "error" in event:
+                record.error = f"error event: {str(event['error'])[:200]}"
+                return
+            new = _new_tokens(target.api, event, record.tokens)
+            if new:
+                record.tokens += new
+                record.token_times.append(trio.current_time())
+                if _leaves_now(phase, rule, record):
+                    record.outcome = "left"
+                    return  # leaving the block closes the unfinished response's connection
+        record.outcome, record.ended_at = "completed", trio.current_time()
+
+
+def _leaves_now(phase: Phase, rule: LeaveRule, record: Visit) -> bool:
+    """After a token event: whether the client goes now (a token that comes before the
+    ``before_first_token`` delay is the moment too: that client is counted as early)."""
+    if phase.leave in ("first_token", "before_first_token", "after_send"):
+        return True
+    return phase.leave == "mid_stream" and len(record.token_times) >= rule.chunks
+
+
+def _new_tokens(api: Api, event: Any, seen: int) -> int:
+    if not isinstance(event, dict):
+        return 0
+    if api == "sglang-generate":
+        completion = (event.get("meta_info") or {}).get("completion_tokens")
+        if isinstance(completion, int):
+            return max(0, completion - seen)
+        return 1 if event.get("text") else 0
+    choices = event.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    if api == "openai-completions":
+        return 1 if choice.get("text") else 0
+    delta = choice.get("delta") or {}
+    return 1 if delta.get("content") or delta.get("reasoning_content") else 0
+
+
+async def discover_model(target: Target) -> str:
+    """The first model ``/v1/models`` lists, which SGLang, vLLM, Dynamo and serve all answer."""
+    async with target.client() as client:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    if not models:
+        raise LookupError(f"{target.url}/v1/models lists no model: name one with --model")
+    return str(models[0]["id"])
