@@ -22,8 +22,10 @@ import trio.testing
 
 import trio_sglang as ts
 from conftest import finish_reason
-from trio_sglang import _request
+from trio_sglang._fields import GENERATE_FIELDS
 from trio_sglang._ids import RID_LENGTH
+from trio_sglang._sampling import SAMPLING_PARAMS
+from trio_sglang.sim._engine import HONOURED_FIELDS
 
 HELLO: dict[str, Any] = {"text": "Hello world", "sampling_params": {"max_new_tokens": 4}}
 
@@ -54,6 +56,8 @@ EVERY_SAMPLING_PARAM: dict[str, Any] = {
     "stream_interval": 1,
     "logit_bias": {"1": 0.5},
     "sampling_seed": 42,
+    "beam_width": None,  # beam search is not the SimEngine's: only null is taken
+    "watermark": {"enabled": True, "key": "0xbeef", "context_window": 4},
 }
 
 
@@ -146,7 +150,10 @@ BAD_REQUESTS = [
     bad(
         {"text": "Hello", "sampling_params": "t=1"}, r"sampling_params must be a mapping", "sp-str"
     ),
-    bad(with_sampling(beam_width=4), r"unknown sampling parameter 'beam_width'", "sp-unknown"),
+    # SGLang's API contract knows "choice"; its SamplingParams does not (a TypeError there).
+    bad(with_sampling(choice=["a"]), r"unknown sampling parameter 'choice'", "sp-unknown"),
+    bad(with_sampling(is_normalized=True), r"is_normalized is SGLang's own", "sp-internal"),
+    bad(with_sampling(stop_strs=["x"]), r"stop_strs is SGLang's own", "sp-internal-stop"),
     bad(with_sampling(max_new_tokens=-1), r"sampling_params\.max_new_tokens", "max-new-negative"),
     bad(with_sampling(max_new_tokens=4.0), r"sampling_params\.max_new_tokens", "max-new-float"),
     bad(with_sampling(max_new_tokens=True), r"sampling_params\.max_new_tokens", "max-new-bool"),
@@ -175,6 +182,53 @@ BAD_REQUESTS = [
     bad(with_sampling(stop={"###"}), r"sampling_params\.stop must be", "stop-set"),
     bad(with_sampling(stop_token_ids=[-1]), r"sampling_params\.stop_token_ids", "stop-ids-neg"),
     bad(with_sampling(ignore_eos="yes"), r"sampling_params\.ignore_eos must be a bool", "eos-str"),
+    bad(with_sampling(stop=["x"] * 33), r"sampling_params\.stop must be at most 32", "stop-33"),
+    bad(with_sampling(stop="\ud800"), r"sampling_params\.stop must be", "stop-surrogate"),
+    bad(with_sampling(stop_regex="(a"), r"sampling_params\.stop_regex must be regular", "re-bad"),
+    bad(
+        with_sampling(stop_regex="a" * 257), r"\.stop_regex must be patterns of at most", "re-long"
+    ),
+    bad(with_sampling(stop_regex=["a"] * 33), r"\.stop_regex must be at most 32", "re-33"),
+    bad(with_sampling(regex=7), r"sampling_params\.regex must be a string", "regex-int"),
+    bad(with_sampling(json_schema={}), r"sampling_params\.json_schema must be a", "schema-dict"),
+    bad(with_sampling(beam_width=0), r"sampling_params\.beam_width must be an int >= 1", "beam-0"),
+    bad(with_sampling(stream_interval="1"), r"\.stream_interval must be an int", "interval-str"),
+    bad(with_sampling(logit_bias={"x": 1}), r"sampling_params\.logit_bias must be", "bias-key"),
+    bad(with_sampling(logit_bias={"-1": 1}), r"sampling_params\.logit_bias must be", "bias-neg"),
+    bad(with_sampling(logit_bias={"1": "a"}), r"sampling_params\.logit_bias must be", "bias-str"),
+    bad(with_sampling(logit_bias=[1]), r"sampling_params\.logit_bias must be", "bias-list"),
+    bad(with_sampling(sampling_seed=2**63), r"\.sampling_seed must be an int in", "seed-big"),
+    bad(with_sampling(sampling_seed=1.5), r"\.sampling_seed must be an int in", "seed-float"),
+    bad(with_sampling(custom_params=[1]), r"\.custom_params must be an object", "custom-list"),
+    bad(with_sampling(watermark=True), r"\.watermark must be an object", "watermark-bool"),
+    bad(with_sampling(watermark={"on": 1}), r"\.watermark has unknown fields", "watermark-key"),
+    bad(with_sampling(watermark={"key": "xyz"}), r"\.watermark\.key must be a hex", "wm-hex"),
+    bad(
+        with_sampling(watermark={"context_window": 0}),
+        r"\.watermark\.context_window must be an int >= 1",
+        "watermark-window",
+    ),
+    # the other fields of SGLang's GenerateReqInput
+    bad({**HELLO, "priority": "high"}, r"priority must be an int", "priority-str"),
+    bad({**HELLO, "return_logprob": "yes"}, r"return_logprob must be a bool", "logprob-str"),
+    bad({**HELLO, "top_logprobs_num": -1}, r"top_logprobs_num must be an int >= 0", "top-neg"),
+    bad({**HELLO, "custom_labels": {"a": 1}}, r"custom_labels must be an object of", "labels"),
+    bad({**HELLO, "return_hidden_states": "all"}, r"return_hidden_states must be", "hidden"),
+    bad({**HELLO, "lora_path": 7}, r"lora_path must be a string, or one per prompt", "lora-int"),
+    bad({**HELLO, "return_logprob": [True]}, r"a list 'return_logprob' needs a batch", "list-1"),
+    bad(
+        {"text": ["a", "b"], "return_logprob": [True]},
+        r"'return_logprob' has 1 entries but the batch has 2 prompts",
+        "list-len",
+    ),
+    bad({**HELLO, "input_embeds": [[0.5]]}, r"'input_embeds' may not be set", "input-embeds"),
+    bad({**HELLO, "lora_id": "x"}, r"'lora_id' may not be set: SGLang", "lora-id"),
+    bad({**HELLO, "received_time": 1.0}, r"'received_time' may not be set", "received-time"),
+    bad(
+        {**HELLO, "watermark": {}, "sampling_params": {"watermark": {}}},
+        r"watermark must be provided either at the request top level or inside",
+        "watermark-twice",
+    ),
     # rid
     bad({"text": "Hello", "rid": ""}, r"'rid' is empty", "rid-empty"),
     bad({"text": "Hello", "rid": 7}, r"'rid' must be a string", "rid-int"),
@@ -214,11 +268,44 @@ SGLANG_VERIFY_REJECTS = [
     bad(with_sampling(repetition_penalty=-1), r"\.repetition_penalty", "rep-penalty-negative"),
     bad(with_sampling(min_new_tokens=8, max_new_tokens=4), r"min_new_tokens", "min-above-max"),
     bad(with_sampling(regex="a+", json_schema="{}"), r"regex|json_schema", "two-grammars"),
+    bad(with_sampling(ebnf="a", structural_tag="{}"), r"only one of .*structural_tag", "ebnf-tag"),
+]
+
+#: What the SimEngine does not do: refused by name before the engine sees the request.
+NOT_ON_THE_SIM = [
+    bad({**HELLO, field: value}, rf"'{field}' is not supported by the sim engine", field)
+    for field, value in (
+        ("image_data", "http://x/cat.png"),
+        ("lora_path", "adapter"),
+        ("return_logprob", True),
+        ("top_logprobs_num", 2),
+        ("token_ids_logprob", [1, 2]),
+        ("logprob_start_len", 0),
+        ("return_hidden_states", "last"),
+        ("return_routed_experts", True),
+        ("custom_logit_processor", "{}"),
+        ("session_params", {"id": "s"}),
+        ("return_prompt_token_ids", True),
+    )
+] + [
+    bad(
+        with_sampling(beam_width=2),
+        r"'sampling_params\.beam_width' is not supported by the sim engine",
+        "beam-width",
+    ),
+    bad(
+        {"text": ["a", "b"], "return_logprob": [False, True]},
+        r"'return_logprob' is not supported",
+        "per-prompt-one-asks",
+    ),
+    # Beam search returns n sequences as one request, which the lifecycle does not model.
+    bad(with_sampling(beam_width=2, n=2), r"beam_width > 1 with .*n > 1", "beam-and-n"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("request_", "match"), BAD_REQUESTS + TOO_BIG_FOR_A_FLOAT + SGLANG_VERIFY_REJECTS
+    ("request_", "match"),
+    BAD_REQUESTS + TOO_BIG_FOR_A_FLOAT + SGLANG_VERIFY_REJECTS + NOT_ON_THE_SIM,
 )
 async def test_bad_request_is_rejected_before_the_engine(
     request_: object, match: str, autojump_clock: trio.testing.MockClock
@@ -275,7 +362,48 @@ async def test_the_worker_keeps_serving_after_bad_requests(
 
 
 def test_every_sampling_param_covers_the_known_fields() -> None:
-    assert set(EVERY_SAMPLING_PARAM) == _request._SAMPLING_FIELDS
+    assert set(EVERY_SAMPLING_PARAM) == set(SAMPLING_PARAMS)
+
+
+def test_the_sim_honours_only_fields_that_exist() -> None:
+    sampling = {f"sampling_params.{key}" for key in SAMPLING_PARAMS}
+    assert set(HONOURED_FIELDS) <= GENERATE_FIELDS.keys() | sampling
+
+
+async def test_a_batch_may_give_a_field_per_prompt(autojump_clock: trio.testing.MockClock) -> None:
+    engine = ts.SimEngine()
+    request = {
+        "text": ["a", "b"],
+        "return_logprob": [False, None],  # asks for nothing, per prompt
+        "cache_salt": ["x", "y"],
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    ctx = ts.RequestContext("x")
+    async with (
+        ts.open_worker(engine) as worker,
+        worker.generate(request, ctx, output="tokens") as chunks,
+    ):
+        indexes = {chunk["index"] async for chunk in chunks}
+    assert indexes == {0, 1}
+
+
+async def test_an_engine_that_lists_no_honoured_fields_is_passed_every_field(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``honoured_fields`` absent: the engine honours every field (as SGLangEngine does)."""
+
+    class EveryField(ts.SimEngine):
+        def features(self) -> Mapping[str, object]:
+            return {k: v for k, v in super().features().items() if k != "honoured_fields"}
+
+    engine = EveryField()
+    request = {**HELLO, "lora_path": "adapter", "sampling_params": {"max_new_tokens": 2}}
+    ctx = ts.RequestContext("x")
+    async with (
+        ts.open_worker(engine) as worker,
+        worker.generate(request, ctx, output="tokens") as chunks,
+    ):
+        assert [chunk async for chunk in chunks]
 
 
 # -- good requests ---------------------------------------------------------------
@@ -287,6 +415,26 @@ GOOD_REQUESTS = [
     pytest.param({**HELLO, "rid": "caller-rid-1"}, 4, id="caller-rid"),
     pytest.param({**HELLO, "stream": True}, 4, id="stream-true"),
     pytest.param({**HELLO, "return_logprob": False, "priority": 1}, 4, id="passthrough-fields"),
+    # What the SimEngine honours; and what asks for nothing (null, SGLang's defaults).
+    pytest.param(
+        {
+            **HELLO,
+            "session_id": "s",
+            "cache_salt": "tenant-1",
+            "custom_labels": {"team": "a"},
+            "routing_key": "k",
+            "log_metrics": False,
+            "watermark": {"enabled": False},
+            "image_data": None,
+            "return_hidden_states": False,
+            "top_logprobs_num": 0,
+            "logprob_start_len": -1,
+            "routed_experts_start_len": 0,
+            "lora_path": None,
+        },
+        4,
+        id="honoured-and-default-fields",
+    ),
     pytest.param(
         with_sampling(max_new_tokens=2, temperature=0, top_p=1, top_k=-1, stop="x", n=1),
         2,

@@ -88,6 +88,13 @@ async def test_a_host_entry_that_is_no_host_is_one_line_on_stderr() -> None:
     ]
 
 
+async def test_a_chat_template_on_the_sim_engine_is_one_line_on_stderr() -> None:
+    """The SimEngine's template is its plain transcript: SGLang's --chat-template is not for it."""
+    result = await run_cli("serve", "--port", "0", "--chat-template", "chatml")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.decode().splitlines() == ["--chat-template goes with --engine sglang"]
+
+
 @pytest.mark.parametrize(
     ("hidden", "args", "message"),
     [

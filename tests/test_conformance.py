@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -269,3 +270,106 @@ async def test_the_sim_and_the_real_tokenizer_manager_agree_in_prefill_and_decod
             if comparable(real[name]) != comparable(sim[name]):
                 disagreements.append((name, comparable(sim[name]), comparable(real[name])))
     assert disagreements == []
+
+
+# Chat: the prompt reaching the real TokenizerManager through trio-sglang's chat
+# route (ChatPlan over SGLangEngine.render_chat) against the one SGLang's own chat
+# route (OpenAIServingChat) builds for the same body: the ids the scheduler received.
+
+CHATS: dict[str, list[dict[str, Any]]] = {
+    "one user message": [{"role": "user", "content": "hello world"}],
+    "a system message and text parts": [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is"},
+                {"type": "text", "text": " the answer?"},
+            ],
+        },
+    ],
+    # SGLang makes a last assistant message the user's, unless it is continued.
+    "a last assistant message": [
+        {"role": "user", "content": "what is the answer?"},
+        {"role": "assistant", "content": "the answer is"},
+    ],
+    "developer and tool roles": [
+        {"role": "developer", "content": "answer in words"},
+        {"role": "user", "content": "hi"},
+        {"role": "tool", "content": "forty two", "tool_call_id": "call-1"},
+    ],
+}
+
+
+def chat_body(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": messages, "max_tokens": 1, **fields}
+
+
+def decoded(workdir: Path, ids: list[int] | str) -> str:
+    """The prompt as text, by the tiny model's tokenizer (the harness built it in ``workdir``)."""
+    from transformers import AutoTokenizer
+
+    assert isinstance(ids, list), ids
+    text: str = AutoTokenizer.from_pretrained(str(workdir / "tiny-llama")).decode(ids)
+    return text
+
+
+async def test_chat_prompts_are_the_ones_sglangs_chat_route_builds(
+    harness: SGLangHarness, workdir: Path
+) -> None:
+    bodies = {
+        **{name: chat_body(messages) for name, messages in CHATS.items()},
+        "continue_final_message": chat_body(
+            CHATS["a last assistant message"], continue_final_message=True
+        ),
+    }
+    seen = {}
+    for name, body in bodies.items():
+        with trio.fail_after(30):
+            seen[name] = await harness.chat(body)
+        print(f"{name}: {seen[name]}")
+        assert isinstance(seen[name].ours, list), (name, seen[name])
+        assert seen[name].ours == seen[name].sglang, name
+    # The model's template, not a plain transcript; continued, the answer's start is kept.
+    assert decoded(workdir, seen["one user message"].ours) == (
+        "<s><|user|>\nhello world</s>\n<|assistant|>\n"
+    )
+    assert decoded(workdir, seen["continue_final_message"].ours) == (
+        "<s><|user|>\nwhat is the answer?</s>\n<|assistant|>\nthe answer is"
+    )
+    # What the template refuses, both routes refuse (trio-sglang's with a 400), unsent.
+    refused = chat_body([{"role": "tool", "content": "42", "tool_call_id": "call-1"}])
+    with trio.fail_after(30):
+        refusals = await harness.chat(refused)
+    message = "a conversation cannot start with a tool message"
+    assert refusals.sglang == message
+    assert refusals.ours == f"the chat template refused the messages: {message}"
+
+
+#: SGLang's --chat-template, a Jinja file (written into the test's folder) or a name.
+TEMPLATE_FILE = (
+    "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "rendered"),
+    [
+        ("file", "[system] be brief\n[user] hello world\n[assistant] "),
+        ("chatml", "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"),
+    ],
+)
+async def test_a_chat_template_given_to_the_server_replaces_the_models(
+    template: str, rendered: str, workdir: Path, tmp_path: Path
+) -> None:
+    if template == "file":
+        (tmp_path / "chat.jinja").write_text(TEMPLATE_FILE)
+        template = str(tmp_path / "chat.jinja")
+    messages = [{"role": "system", "content": "be brief"}, *CHATS["one user message"]]
+    async with open_sglang_harness(workdir=workdir, chat_template=template) as harness:
+        with trio.fail_after(30):
+            seen = await harness.chat(chat_body(messages))
+    print(seen)
+    assert seen.ours == seen.sglang
+    assert decoded(workdir, seen.ours).endswith(rendered)

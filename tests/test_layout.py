@@ -35,6 +35,7 @@ LIFECYCLE = (
     "_engine",
     "_errors",
     "_faults",
+    "_fields",
     "_ids",
     "_in_process_prefill",
     "_observer",
@@ -42,6 +43,8 @@ LIFECYCLE = (
     "_policy",
     "_pump",
     "_request",
+    "_sampling",
+    "_values",
     "_worker",
 )
 

@@ -201,7 +201,7 @@ async def test_generate_native_with_the_callers_rid(start_server: StartServer) -
         ("/v1/completions", b"[1, 2]", 400, "must be an object"),
         ("/v1/completions", {"model": 7, "prompt": "hi"}, 400, "'model' must be a string"),
         ("/v1/completions", {"model": MODEL, "prompt": 7}, 400, "'prompt'"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "'n'"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n must be"),
         (
             "/v1/completions",
             {"model": MODEL, "prompt": "hi", "max_tokens": -1},
@@ -209,7 +209,12 @@ async def test_generate_native_with_the_callers_rid(start_server: StartServer) -
             "'max_tokens'",
         ),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "'stream'"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "tempo": 1}, 400, "Unrecognized"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "logprobs": 1},
+            400,
+            "'logprobs' is not supported",
+        ),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "'messages'"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x"}]}, 400, "role"),
         (

@@ -5,7 +5,7 @@ The public API lives here; the ``_modules`` behind it are private.
 
 from ._context import RequestContext
 from ._disagg import PrefillFailed, PrefillPeer, Role
-from ._engine import Engine, EngineStream, RequestPhase
+from ._engine import ChatTemplating, Engine, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import EngineFault
 from ._in_process_prefill import InProcessPrefill
@@ -30,6 +30,7 @@ from .sim import (
 __all__ = [
     "AbortPolicy",
     "BootstrapAddr",
+    "ChatTemplating",
     "DisaggregationMode",
     "Engine",
     "EngineError",

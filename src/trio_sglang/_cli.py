@@ -111,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's name in /v1/models and /server_info; repeat it for aliases, the "
         "first one the model's own (default: trio-sglang-sim, or the model folder name)",
     )
+    serve.add_argument(
+        "--chat-template",
+        help="with --engine sglang, SGLang's --chat-template: a Jinja file, or a template "
+        "name, for /v1/chat/completions (default: the model's own; the SimEngine's is its "
+        "plain transcript)",
+    )
+    serve.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="SGLang's: OpenAI usage reports the prompt tokens the engine's prefix cache "
+        "held, as prompt_tokens_details.cached_tokens",
+    )
     _add_limits(serve)
     disagg = serve.add_argument_group(
         "prefill/decode disaggregation (the roles of sglang-router's --pd-disaggregation)"
@@ -394,6 +406,8 @@ def _serve(args: argparse.Namespace) -> int:
             return _refuse(
                 "--engine sglang needs SGLang: pip install 'trio-sglang[sglang]' (a GPU machine)"
             )
+    elif args.chat_template is not None:
+        return _refuse("--chat-template goes with --engine sglang")
     if args.prefill_url is not None and args.disaggregation_mode != "decode":
         return _refuse("--prefill-url is for a decode worker: add --disaggregation-mode decode")
     if args.prefill_bootstrap_port is not None and args.prefill_url is None:
@@ -486,6 +500,7 @@ async def _serve_until_stopped(
             limits=limits,
             prefill=prefill,
             kv_rooms=hosted,
+            enable_cache_report=args.enable_cache_report,
         )
 
 
@@ -494,6 +509,7 @@ def _engine_options(args: argparse.Namespace) -> EngineOptions:
         kind=args.engine,
         disaggregation_mode=args.disaggregation_mode,
         model_path=args.model_path,
+        chat_template=args.chat_template,
         sim_args={
             "tokenize_delay": args.sim_tokenize_delay,
             "dispatch_delay": args.sim_dispatch_delay,

@@ -11,16 +11,20 @@ real ``TokenizerManager`` and the ``SimEngine`` fit it without pretending:
   lost when sent at the wrong moment, which is why the lifecycle uses it last;
 - closing the stream (or cancelling a pull) runs the engine's own release
   path: an undispatched request is forgotten, a dispatched one is aborted.
+
+Beside it, one optional capability the lifecycle never uses: ``ChatTemplating``,
+an engine that renders chat messages with its model's chat template (the
+server's chat route asks for it).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Engine", "EngineStream", "RequestPhase"]
+__all__ = ["ChatTemplating", "Engine", "EngineStream", "RequestPhase"]
 
 
 class RequestPhase(enum.Enum):
@@ -76,6 +80,10 @@ class Engine(Protocol):
         releases or aborts every state it created, children included) and
         ``batch_parallel_sampling`` (``n > 1`` on a native batch); and
         ``disaggregation_mode`` (``None``, ``"prefill"`` or ``"decode"``).
+        Optional: ``honoured_fields``, a set of the request fields the engine
+        acts on (top-level names, and ``sampling_params.<name>``); the worker
+        refuses a request that asks for any other (``_fields.py``). Without
+        it, the engine honours every field.
         """
         ...
 
@@ -110,4 +118,29 @@ class Engine(Protocol):
 
     def live_requests(self) -> int:
         """How many requests the engine holds right now (for metrics)."""
+        ...
+
+
+@runtime_checkable
+class ChatTemplating(Protocol):
+    """An engine whose model has a chat template, and that renders chat messages with it.
+
+    Optional: OpenAI's chat route needs a prompt made of messages, and only
+    the engine knows its model's template (SGLang renders it in its server,
+    not in the engine the lifecycle drives). An engine without it gets the
+    server's plain transcript.
+    """
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, continue_final_message: bool = False
+    ) -> str | list[int]:
+        """The prompt for ``messages``, ending where the assistant's answer starts.
+
+        ``messages`` are OpenAI chat messages the server has checked (a known
+        role, text content). The prompt is text for the engine to tokenize or
+        token ids, whichever the engine's own chat route hands its tokenizer.
+        ``continue_final_message``: a last assistant message is continued,
+        not answered. Raises ``ValueError`` when the template refuses the
+        messages: the client's error.
+        """
         ...

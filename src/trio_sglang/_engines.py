@@ -34,6 +34,8 @@ class EngineOptions:
     disaggregation_mode: DisaggregationMode | None = None
     #: The model SGLang loads (``kind="sglang"``).
     model_path: str | None = None
+    #: SGLang's ``--chat-template`` (``kind="sglang"``): a Jinja file or a template name.
+    chat_template: str | None = None
     #: ``SimEngine`` arguments (its delays, ``disagg_timing``); its defaults where absent.
     sim_args: Mapping[str, Any] = field(default_factory=dict)
 
@@ -52,7 +54,12 @@ async def open_engine(
             raise ValueError("an SGLang engine needs a model_path")
         # SGLang runs its own bootstrap server (--disaggregation-bootstrap-port).
         disagg: dict[str, Any] = {} if mode is None else {"disaggregation_mode": mode}
-        yield SGLangEngine(model_path=options.model_path, **disagg), None
+        yield (
+            SGLangEngine(
+                model_path=options.model_path, chat_template=options.chat_template, **disagg
+            ),
+            None,
+        )
         return
     async with AsyncExitStack() as stack:
         rooms: KVRooms | None = None

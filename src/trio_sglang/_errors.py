@@ -10,7 +10,13 @@ class InvalidRequest(ValueError):
 
     A ``ValueError`` so that callers which already map ``ValueError`` to a
     client error (HTTP 400) do the right thing without knowing this library.
+    ``param`` names the field at fault, when one is (``sampling_params.top_p``),
+    in the caller's words: the server answers it as OpenAI's ``param``.
     """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineShutdown(Exception):

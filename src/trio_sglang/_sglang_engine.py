@@ -16,7 +16,9 @@ lifecycle, given how SGLang's TokenizerManager holds and releases requests:
 - ``phase`` reads ``rid_to_state`` and the dispatch mark; there is no event to
   wait on, so one ``PhasePoller`` task per engine looks, at a short fixed
   interval, at every rid somebody waits on (and ticks only while somebody does);
-- outputs are made incremental whatever ``incremental_streaming_output`` says.
+- outputs are made incremental whatever ``incremental_streaming_output`` says;
+- ``render_chat`` (``ChatTemplating``) renders chat messages as SGLang's own
+  chat route does, with that route's code (``_sglang_chat.py``).
 
 Where the runtime lacks the registry, the lifecycle falls back to the ids the
 responses reveal (``phase`` then answers from what the streams have seen).
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,6 +36,7 @@ import trio
 
 from ._engine import RequestPhase
 from ._phase_poller import PhasePoller
+from ._sglang_chat import SGLangChat
 
 __all__ = ["SGLangEngine"]
 
@@ -86,6 +89,7 @@ class SGLangEngine:
         self._running = False
         #: rid -> phase, from what the streams saw (only used without a registry).
         self._seen: dict[str, RequestPhase] = {}
+        self._chat: SGLangChat | None = None  # made at the first chat request
 
     @property
     def tokenizer_manager(self) -> Any:
@@ -143,6 +147,16 @@ class SGLangEngine:
             "disaggregation_mode": mode if mode in ("prefill", "decode") else None,
             **({"context_length": context_len} if isinstance(context_len, int) else {}),
         }
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, continue_final_message: bool = False
+    ) -> str | list[int]:
+        """The prompt SGLang's chat route makes of ``messages`` (token ids for a text model)."""
+        if self._chat is None:
+            # The template manager an sglang.Engine loaded its --chat-template into.
+            templates = getattr(self._engine, "template_manager", None)
+            self._chat = SGLangChat(self.tokenizer_manager, templates)
+        return self._chat.render(messages, continue_final_message=continue_final_message)
 
     def generate(self, request: Mapping[str, Any]) -> _SGLangStream:
         return _SGLangStream(self, request)

@@ -2,10 +2,10 @@
 
 One request's life, top to bottom:
 
-1. ``generate`` checks the request (``InvalidRequest`` before anything
-   reaches the engine), mints the internal rids, and opens the caller's
-   block inside a cancel scope that ``ctx.stop()``/``ctx.kill()`` and the
-   worker's shutdown cancel.
+1. ``generate`` checks the request, and that the engine honours every field
+   it asks for (``InvalidRequest`` before anything reaches the engine), mints
+   the internal rids, and opens the caller's block inside a cancel scope that
+   ``ctx.stop()``/``ctx.kill()`` and the worker's shutdown cancel.
 2. The caller pulls. Requests whose engine ids are known in advance (one
    prompt, or a native batch) on an engine whose close releases them are
    read by the caller's own task; the others by an ``EnginePump`` in the
@@ -45,6 +45,7 @@ from ._disagg import PrefillLeg, PrefillPeer, bootstrap_fields, peer_cancels_any
 from ._engine import Engine
 from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import FaultLog
+from ._fields import check_honoured
 from ._ids import mint_rid
 from ._observer import WorkerObserver
 from ._outputs import PublicIds, format_chunk
@@ -254,6 +255,7 @@ class Worker:
         parsed = parse_request(request, output)
         if not isinstance(ctx, RequestContext):
             raise InvalidRequest(f"ctx must be a RequestContext, got {type(ctx).__name__}")
+        check_honoured(parsed.body, self._features)
         if (
             parsed.batch_size is not None
             and parsed.n > 1

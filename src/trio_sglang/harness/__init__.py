@@ -8,8 +8,11 @@ with no hub access. ``open_sglang_harness`` starts and stops all of it; the
 same ``Scenario`` runs on the SimEngine with ``observe_on_sim``, so the two
 can be compared. A ``DisaggSetup`` runs both as a prefill or a decode
 server's, with a fixed peer script playing the other side of each room.
+``SGLangHarness.chat`` sends one chat body through trio-sglang's chat route
+and through SGLang's own, and gives back what each fed the scheduler.
 """
 
+from ._chat import ChatPrompts
 from ._harness import SGLangHarness, open_sglang_harness
 from ._peer import DisaggSetup
 from ._scenarios import CancelPhase, Observation, Scenario, observe_on_sim
@@ -17,6 +20,7 @@ from ._tiny_model import build_tiny_model
 
 __all__ = [
     "CancelPhase",
+    "ChatPrompts",
     "DisaggSetup",
     "Observation",
     "SGLangHarness",

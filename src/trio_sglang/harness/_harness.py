@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 
+from ._chat import ChatPrompts
 from ._peer import DisaggSetup
 from ._protocol import ANSWER
 from ._scenarios import Observation, Scenario
@@ -36,6 +37,14 @@ class SGLangHarness:
         if "error" in answer:
             raise RuntimeError(f"scenario {scenario.name!r} failed in the host: {answer['error']}")
         return Observation(**answer["observation"])
+
+    async def chat(self, body: dict[str, Any]) -> ChatPrompts:
+        """One OpenAI chat body through trio-sglang's chat route and SGLang's (``ChatPrompts``)."""
+        await self._send({"op": "chat", "body": body})
+        answer = await self._lines.answer()
+        if "error" in answer:
+            raise RuntimeError(f"the chat request failed in the host: {answer['error']}")
+        return ChatPrompts(**answer["chat"])
 
     async def _send(self, command: dict[str, Any]) -> None:
         assert self._process.stdin is not None
@@ -74,6 +83,7 @@ async def open_sglang_harness(
     first_token_delay: float = 0.2,
     token_interval: float = 0.05,
     disagg: DisaggSetup | None = None,
+    chat_template: str | None = None,
     start_timeout: float = 300.0,
 ) -> AsyncIterator[SGLangHarness]:
     """Start the host process (real TokenizerManager, stand-in scheduler) and stop it after.
@@ -84,6 +94,7 @@ async def open_sglang_harness(
     request reaches it, then one token every ``token_interval`` seconds.
     ``disagg`` makes the TokenizerManager and the scheduler a prefill or a
     decode server's, the other side played by its peer script.
+    ``chat_template`` is SGLang's ``--chat-template`` (a Jinja file or a name).
     """
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(scratch) if workdir is None else workdir
@@ -100,6 +111,7 @@ async def open_sglang_harness(
                 "--token-interval",
                 str(token_interval),
                 *(() if disagg is None else ("--disagg", disagg.to_text())),
+                *(() if chat_template is None else ("--chat-template", chat_template)),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -3,10 +3,12 @@
 Run by ``open_sglang_harness``, never imported by a test runner: SGLang's
 TokenizerManager kills its whole process tree when its receive loop fails.
 It builds the tiny model, builds the TokenizerManager the way
-``sglang.Engine`` does (without the GPU parts), starts the stand-in scheduler
-as its child, opens one worker over ``SGLangEngine``, and then answers
-scenario requests read as JSON lines on stdin with JSON lines on stdout
-(prefixed, so that stray prints cannot be mistaken for answers).
+``sglang.Engine`` does (without the GPU parts; with SGLang's template
+manager, ``--chat-template`` loaded as SGLang's server loads it), starts the
+stand-in scheduler as its child, opens one worker over ``SGLangEngine``, and
+then answers scenario and chat requests read as JSON lines on stdin with
+JSON lines on stdout (prefixed, so that stray prints cannot be mistaken for
+answers).
 
 With ``--disagg`` (a ``DisaggSetup`` as JSON) the TokenizerManager is a
 prefill or decode server's (``disaggregation_mode``, the default ``mooncake``
@@ -36,17 +38,19 @@ import trio
 
 from .._policy import AbortPolicy
 from .._sglang_engine import SGLangEngine
-from .._worker import open_worker
+from .._worker import Worker, open_worker
+from ._chat import observe_chat
 from ._peer import DisaggSetup
 from ._protocol import ANSWER
 from ._scenarios import RidRecorder, Scenario, SchedulerEvent, run_scenario, staged_kind
 from ._tiny_model import build_tiny_model
 
 
-def _tokenizer_manager(model: Path, disagg: DisaggSetup | None) -> tuple[Any, Any]:
-    """A TokenizerManager built as ``sglang.Engine`` builds one, and its IPC names."""
+def _tokenizer_manager(
+    model: Path, disagg: DisaggSetup | None, chat_template: str | None
+) -> tuple[Any, Any, Any]:
+    """A TokenizerManager built as ``sglang.Engine`` builds one, its templates and IPC names."""
     from sglang.srt.entrypoints import engine as sglang_engine
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -62,6 +66,7 @@ def _tokenizer_manager(model: Path, disagg: DisaggSetup | None) -> tuple[Any, An
         skip_tokenizer_init=False,
         incremental_streaming_output=True,
         log_level="warning",
+        chat_template=chat_template,
         **role,
     )
     server_args.resolve_once()
@@ -70,7 +75,8 @@ def _tokenizer_manager(model: Path, disagg: DisaggSetup | None) -> tuple[Any, An
     sglang_engine.resolve_auto_parsers(server_args)
     publish(server_args, role="tokenizer")
     port_args = PortArgs.init_new(server_args)
-    return TokenizerManager(server_args, port_args), port_args
+    tm, templates = sglang_engine.init_tokenizer_manager(server_args, port_args)
+    return tm, templates, port_args
 
 
 def _free_port() -> int:
@@ -93,13 +99,22 @@ def _wait_for_bootstrap_server(port: int, timeout: float = 30) -> None:
             time.sleep(0.05)
 
 
-def _scheduler_events(log: Path, since: os.stat_result) -> list[SchedulerEvent]:
+def _logged(log: Path, since: os.stat_result) -> list[dict[str, Any]]:
     """What the scheduler logged after ``since`` (the log's size then)."""
     with log.open("rb") as f:
         f.seek(since.st_size)
         lines = f.read().splitlines()
-    events = [json.loads(line) for line in lines if line.strip()]
-    return [(e["t"], staged_kind(e["kind"], e.get("stage")), e["rid"]) for e in events]
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _scheduler_events(log: Path, since: os.stat_result) -> list[SchedulerEvent]:
+    return [(e["t"], staged_kind(e["kind"], e.get("stage")), e["rid"]) for e in _logged(log, since)]
+
+
+def _mark(log: Path) -> Callable[[], list[list[int]]]:
+    """From now on: the prompt ids of each request the scheduler receives."""
+    since = log.stat()
+    return lambda: [e["input_ids"] for e in _logged(log, since) if e["kind"] == "request"]
 
 
 def _wait_until_ready(scheduler: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
@@ -130,24 +145,36 @@ def _answer(data: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-async def _serve(tm: Any, log: Path) -> None:
-    recorder = RidRecorder(SGLangEngine(tokenizer_manager=tm))
+async def _serve(tm: Any, templates: Any, log: Path) -> None:
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    engine = SGLangEngine(tokenizer_manager=tm)
+    recorder = RidRecorder(engine)
+    # SGLang's own chat route, made as its server makes it.
+    sglang_chat = OpenAIServingChat(tm, templates)
     original = tm._tokenize_one_request
+
+    async def run(worker: Worker, command: dict[str, Any]) -> dict[str, Any]:
+        if command["op"] == "chat":
+            mark = partial(_mark, log)
+            chat = await observe_chat(worker, engine, sglang_chat, command["body"], mark)
+            return {"chat": chat.to_json()}
+        scenario = Scenario.from_json(command["scenario"])
+        _slow_tokenizer(tm, original, scenario.tokenize_delay)
+        events = partial(_scheduler_events, log, await trio.Path(log).stat())
+        seen = await run_scenario(worker, recorder, scenario, events, clock=time.monotonic)
+        return {"observation": seen.to_json()}
+
     async with open_worker(recorder, policy=AbortPolicy(shutdown_grace=5.0)) as worker:
         _answer({"ready": True, "capabilities": worker.capabilities()})
         while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
             command = json.loads(line)
-            if command.get("op") == "quit":
+            if command["op"] == "quit":
                 break
-            scenario = Scenario.from_json(command["scenario"])
-            _slow_tokenizer(tm, original, scenario.tokenize_delay)
-            events = partial(_scheduler_events, log, await trio.Path(log).stat())
             try:
-                seen = await run_scenario(worker, recorder, scenario, events, clock=time.monotonic)
+                _answer(await run(worker, command))
             except Exception as exc:
                 _answer({"error": f"{type(exc).__name__}: {exc}"})
-            else:
-                _answer({"observation": seen.to_json()})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,12 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--first-token-delay", type=float, default=0.2)
     parser.add_argument("--token-interval", type=float, default=0.05)
     parser.add_argument("--disagg", type=DisaggSetup.from_text, help="a DisaggSetup as JSON")
+    parser.add_argument("--chat-template", help="SGLang's --chat-template: a file or a name")
     args = parser.parse_args(argv)
     disagg: DisaggSetup | None = args.disagg
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     model = build_tiny_model(args.workdir / "tiny-llama")
-    tm, port_args = _tokenizer_manager(model, disagg)
+    tm, templates, port_args = _tokenizer_manager(model, disagg, args.chat_template)
     if tm.bootstrap_server is not None:
         _wait_for_bootstrap_server(tm.server_args.disaggregation_bootstrap_port)
     log = args.workdir / f"scheduler-{os.getpid()}.jsonl"
@@ -186,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         _wait_until_ready(scheduler, log)
-        trio.run(_serve, tm, log)
+        trio.run(_serve, tm, templates, log)
     finally:
         scheduler.terminate()
         try:

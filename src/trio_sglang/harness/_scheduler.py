@@ -28,11 +28,12 @@ the setup's peer script.
 Every event goes to ``--log`` as one flushed JSON line, ``{"t":
 time.monotonic(), "kind": ..., "rid": ...}`` plus details; ``time.monotonic``
 is system-wide on Linux, so the parent can set these times against its own.
-Kinds: ``ready``, ``request``, ``token``, ``finished``, ``abort``,
-``abort_applied``, ``abort_lost``, ``ignored`` (another message type) and
-``exit``; in a disaggregated role also ``bootstrapped``, ``prefill_chunk``,
-``kv_sent``, ``kv_received`` and ``kv_timeout``, and ``abort_applied`` says
-in which ``stage`` a queued request was.
+Kinds: ``ready``, ``request`` (with the prompt's ``input_ids``), ``token``,
+``finished``, ``abort``, ``abort_applied``, ``abort_lost``, ``ignored``
+(another message type) and ``exit``; in a disaggregated role also
+``bootstrapped``, ``prefill_chunk``, ``kv_sent``, ``kv_received`` and
+``kv_timeout``, and ``abort_applied`` says in which ``stage`` a queued
+request was.
 
 zmq and sglang are imported inside functions, so the harness package imports
 without the sglang extra; only running this process needs it.
@@ -342,12 +343,16 @@ class _Scheduler:
             max_new_tokens=max_new_tokens,
             due=now + self._options.first_token_delay,
         )
+        # What the model would be fed (the chat conformance compares it).
+        prompt = [int(i) for i in input_ids or ()]
         if self._queues is None:
             self._held[request.rid] = held
-            self._log.write("request", request.rid, max_new_tokens=max_new_tokens)
+            self._log.write("request", request.rid, max_new_tokens=max_new_tokens, input_ids=prompt)
             return
         room = request.bootstrap_room
-        self._log.write("request", request.rid, max_new_tokens=max_new_tokens, room=room)
+        self._log.write(
+            "request", request.rid, max_new_tokens=max_new_tokens, input_ids=prompt, room=room
+        )
         exit = self._queues.admit(held, held.rid, room, held.prompt_tokens, now)
         if exit is not None:
             self._leave_queues(exit, outbox, now)

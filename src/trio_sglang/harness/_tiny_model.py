@@ -27,7 +27,7 @@ __all__ = ["build_tiny_model"]
 #: Written last, so its presence (with this content) means every other file is complete.
 #: Bump the version when the recipe changes, so stale directories are rebuilt.
 _MARKER = ".trio-sglang-tiny-model"
-_MARKER_CONTENT = "trio-sglang tiny llama v1\n"
+_MARKER_CONTENT = "trio-sglang tiny llama v2\n"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -39,13 +39,19 @@ _CORPUS = (
     "user assistant system: what is the answer? the answer is forty two.",
     "0 1 2 3 4 5 6 7 8 9 , . ! ? ' \" ( ) [ ] { } - + = / * : ;",
 )
-#: Enough for the OpenAI chat endpoint to render messages; the model never runs.
+#: The model's chat template, as a model's tokenizer config carries one: role
+#: markers and an end-of-turn token (so that a prompt shows it was applied, unlike
+#: the plain transcript), the generation prompt, and a refusal of its own, as
+#: real templates raise (a conversation must not open with a tool's answer).
 _CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'tool' %}"
+    "{{ raise_exception('a conversation cannot start with a tool message') }}"
+    "{% endif %}"
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
 

@@ -21,6 +21,7 @@ import trio
 
 from .._context import RequestContext
 from .._disagg import PrefillPeer
+from .._engine import ChatTemplating
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
@@ -68,6 +69,7 @@ class ServerApp:
         limits: ServerLimits | None = None,
         kv_rooms: HostedKVRooms | None = None,
         prefill: PrefillPeer | None = None,
+        enable_cache_report: bool = False,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
@@ -76,7 +78,11 @@ class ServerApp:
         if not self.models or not all(isinstance(name, str) and name for name in self.models):
             raise ValueError(f"model must be a name or names, got {model!r}")
         self.limits = ServerLimits() if limits is None else limits
-        context_length = worker.engine.features().get("context_length")
+        #: What the engine detected, ``honoured_fields`` among it (``Plan.check``).
+        self._features = worker.engine.features()
+        #: SGLang's ``--enable-cache-report``: OpenAI usage says how much of the prompt was cached.
+        self.enable_cache_report = enable_cache_report
+        context_length = self._features.get("context_length")
         self._admission = Admission(
             self.limits,
             metrics,
@@ -85,6 +91,8 @@ class ServerApp:
             prefill=prefill,
         )
         self.created = int(time.time())
+        #: What renders chat messages: the engine, if it knows its model's chat template.
+        self._chat_template = worker.engine if isinstance(worker.engine, ChatTemplating) else None
         #: Run by the server for as long as it takes requests (``HTTPServer.run``).
         self.heartbeats = Heartbeats(self.limits.sse_heartbeat)
         self._closing = False
@@ -116,7 +124,9 @@ class ServerApp:
         posts: dict[str, Callable[[dict[str, Any]], Plan]] = {
             "/generate": NativePlan.parse,
             "/v1/completions": lambda body: CompletionPlan.parse(body, self._model_of(body)),
-            "/v1/chat/completions": lambda body: ChatPlan.parse(body, self._model_of(body)),
+            "/v1/chat/completions": lambda body: ChatPlan.parse(
+                body, self._model_of(body), self._chat_template
+            ),
         }
         gets: dict[str, Callable[[Send], Any]] = {
             "/health": self._health,
@@ -252,7 +262,9 @@ class ServerApp:
             self._admission.check_content_type(scope)
             body = await self._read_body(scope, receive)
             plan = parse(body)
+            plan.cache_report = self.enable_cache_report
             self._admission.check_request(endpoint, body, plan.native)
+            plan.check(self._features)
             if self._closing:
                 raise _shutting_down()
             self._admission.check_load(len(self._inflight))
@@ -308,7 +320,7 @@ class ServerApp:
                     async for out in chunks:
                         plan.add(out)
         except InvalidRequest as exc:
-            await send_json(send, 400, error_body(str(exc)))
+            await send_json(send, 400, error_body(str(exc), param=exc.param))
             return "rejected"
         except EngineShutdown:
             await self._fail(send, started, _shutting_down())

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
+from .._fields import SGLANG_FIELDS
+from .._values import shown
 from ._errors import HTTPError
 from ._plan import Plan
 
 __all__ = ["NativePlan"]
+
+logger = logging.getLogger("trio_sglang.server")
 
 
 class NativePlan(Plan):
@@ -16,7 +21,12 @@ class NativePlan(Plan):
 
     The public id is the caller's ``rid`` (``<rid>_<i>`` or the list entry
     for children), else a fresh ``gen-...`` id: the worker's own engine rid
-    never appears. The body is validated by the worker itself.
+    never appears. The body is validated by the worker itself, but for its
+    fields that SGLang's ``GenerateReqInput`` does not have: they are ignored,
+    as SGLang's ``/generate`` ignores them (FastAPI reads the body into that
+    dataclass, and its contract check, ``api_contract.generate_contract_error``,
+    ignores unknown keys too), and logged at DEBUG. Unknown sampling
+    parameters are refused there, and so here (by the worker).
     """
 
     def __init__(self, native: dict[str, Any], stream: bool, n: int, many: bool) -> None:
@@ -31,8 +41,12 @@ class NativePlan(Plan):
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "'stream' must be a bool", param="stream")
-        # sglang-router adds "model" (null) to every /generate body.
-        native = {k: v for k, v in body.items() if k not in ("stream", "model")}
+        # sglang-router adds "model" (null) to every /generate body: ignored, as by SGLang.
+        ignored = sorted(key for key in body if key not in SGLANG_FIELDS)
+        if ignored:
+            # shown(): a client's keys, bounded.
+            logger.debug("ignored fields SGLang's /generate does not have: %s", shown(ignored))
+        native = {k: v for k, v in body.items() if k in SGLANG_FIELDS and k != "stream"}
         sampling = native.get("sampling_params")
         first = sampling[0] if isinstance(sampling, list) and sampling else sampling
         n = first.get("n") if isinstance(first, dict) else None

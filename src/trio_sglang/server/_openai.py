@@ -2,128 +2,38 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
-import reprlib
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from .._chat import plain_transcript
+from .._engine import ChatTemplating
+from .._values import is_token_list
 from ._errors import HTTPError
+from ._openai_fields import Route, check_sampling, native_fields
 from ._plan import Plan
 
 __all__ = ["ChatPlan", "CompletionPlan"]
 
-_COMMON = {
-    "model",
-    "max_tokens",
-    "n",
-    "stop",
-    "stream",
-    "stream_options",
-    "temperature",
-    "top_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "user",
-}
-#: SGLang's extensions of OpenAI's schemas, which sglang-router sends on every request.
-_SGLANG_SAMPLING = {"ignore_eos", "skip_special_tokens", "no_stop_trim"}
-_SGLANG_IGNORED = {
-    "return_hidden_states",
-    "continue_final_message",
-    "separate_reasoning",
-    "stream_reasoning",
-}
-#: Prefill/decode pairing, which sglang-router's PD mode adds to every request;
-#: passed to the worker as is (it checks them against its role).
-_SGLANG_BOOTSTRAP = {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
-_COMPLETION_FIELDS = (
-    _COMMON
-    | _SGLANG_SAMPLING
-    | _SGLANG_IGNORED
-    | _SGLANG_BOOTSTRAP
-    | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-)
-_CHAT_FIELDS = (
-    _COMMON
-    | _SGLANG_SAMPLING
-    | _SGLANG_IGNORED
-    | _SGLANG_BOOTSTRAP
-    | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-)
-#: OpenAI's default for completions; chat has none (we use the engine's).
-_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
+def _native(
+    body: dict[str, Any], route: Route, prompt: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The native body of ``prompt`` and ``body``'s other fields; and the names the client used.
 
-def _check_fields(body: dict[str, Any], known: set[str]) -> None:
-    for key in body:
-        if key not in known:
-            raise HTTPError(400, f"Unrecognized request argument supplied: {key}", param=key)
-
-
-def _bootstrap(body: dict[str, Any]) -> dict[str, Any]:
-    return {key: body[key] for key in _SGLANG_BOOTSTRAP if key in body}
-
-
-# Values in messages go through reprlib: bounded in depth and length, so neither a value
-# nested close to the JSON parser's limit (RecursionError) nor a megabyte string gets in.
-def _int(body: dict[str, Any], key: str, *, low: int, default: int | None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise HTTPError(
-            400, f"'{key}' must be an integer >= {low}, got {reprlib.repr(value)}", param=key
-        )
-    return value
-
-
-def _number(body: dict[str, Any], key: str) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        with contextlib.suppress(OverflowError):  # an int past a float's range, as 10**400
-            if math.isfinite(number := float(value)):
-                return number
-    raise HTTPError(400, f"'{key}' must be a number, got {reprlib.repr(value)}", param=key)
-
-
-def _sampling(body: dict[str, Any], max_tokens: int | None) -> tuple[dict[str, Any], int]:
-    n = _int(body, "n", low=1, default=1)
-    assert n is not None
-    params: dict[str, Any] = {"n": n}
-    if max_tokens is not None:
-        params["max_new_tokens"] = max_tokens
-    stop = body.get("stop")
-    if stop is not None:
-        if not (
-            isinstance(stop, str)
-            or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-        ):
-            raise HTTPError(400, "'stop' must be a string or a list of strings", param="stop")
-        params["stop"] = stop
-    for key, target in (
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("presence_penalty", "presence_penalty"),
-        ("frequency_penalty", "frequency_penalty"),
-    ):
-        value = _number(body, key)
-        if value is not None:
-            params[target] = value
-    seed = _int(body, "seed", low=0, default=None)
-    if seed is not None:
-        params["sampling_seed"] = seed
-    for key in _SGLANG_SAMPLING:
-        value = body.get(key)
-        if value is not None:
-            if not isinstance(value, bool):
-                raise HTTPError(400, f"'{key}' must be a bool", param=key)
-            params[key] = value
-    return params, n
+    A ``rid`` is the request's id, as in SGLang: its response's ``id``, and what
+    ``/abort_request`` stops it by.
+    """
+    fields = native_fields(body, route)
+    native = {**prompt, "sampling_params": fields.sampling, **fields.passed}
+    rid = body.get("rid")
+    if rid is not None:
+        if not (isinstance(rid, str) and rid):
+            # SGLang also takes a list, one per prompt: these responses have one id.
+            raise HTTPError(400, "'rid' must be a non-empty string", param="rid")
+        native["rid"] = rid
+    return native, fields.names
 
 
 class _StreamFlags(NamedTuple):
@@ -163,15 +73,21 @@ class _OpenAIPlan(Plan):
     def __init__(
         self,
         native: dict[str, Any],
+        names: dict[str, str],
         model: str,
         flags: _StreamFlags,
-        n: int,
     ) -> None:
-        super().__init__(native, f"{self.id_prefix}{uuid.uuid4().hex}", flags.stream, n)
+        public_id = native.get("rid") or f"{self.id_prefix}{uuid.uuid4().hex}"
+        super().__init__(native, public_id, flags.stream, native["sampling_params"].get("n") or 1)
+        self.names = names
         self.include_usage = flags.include_usage
         self.continuous_usage = flags.continuous_usage
         self.model = model
         self.created = int(time.time())
+
+    def check(self, features: Mapping[str, object]) -> None:
+        check_sampling(self.native["sampling_params"], self.names)
+        super().check(features)
 
     def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -206,11 +122,6 @@ class CompletionPlan(_OpenAIPlan):
 
     @classmethod
     def parse(cls, body: dict[str, Any], model: str) -> CompletionPlan:
-        _check_fields(body, _COMPLETION_FIELDS)
-        if body.get("echo") or body.get("logprobs") or body.get("suffix") is not None:
-            raise HTTPError(400, "echo, logprobs and suffix are not supported")
-        if _int(body, "best_of", low=1, default=1) != 1:
-            raise HTTPError(400, "best_of is not supported", param="best_of")
         prompt = body.get("prompt")
         native: dict[str, Any]
         if isinstance(prompt, str) or (
@@ -225,9 +136,7 @@ class CompletionPlan(_OpenAIPlan):
                 "'prompt' must be a non-empty string, list of strings, or token ids",
                 param="prompt",
             )
-        max_tokens = _int(body, "max_tokens", low=0, default=_COMPLETIONS_DEFAULT_MAX_TOKENS)
-        native["sampling_params"], n = _sampling(body, max_tokens)
-        return cls({**native, **_bootstrap(body)}, model, _stream_flags(body), n)
+        return cls(*_native(body, "completions", native), model, _stream_flags(body))
 
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -250,25 +159,29 @@ class ChatPlan(_OpenAIPlan):
     id_prefix = "chatcmpl-"
 
     @classmethod
-    def parse(cls, body: dict[str, Any], model: str) -> ChatPlan:
-        _check_fields(body, _CHAT_FIELDS)
-        if body.get("logprobs"):
-            raise HTTPError(400, "logprobs is not supported", param="logprobs")
-        native: dict[str, Any] = {"text": _chat_prompt(body.get("messages"))}
-        max_tokens = _int(body, "max_completion_tokens", low=0, default=None)
-        if max_tokens is None:
-            max_tokens = _int(body, "max_tokens", low=0, default=None)
-        native["sampling_params"], n = _sampling(body, max_tokens)
-        return cls({**native, **_bootstrap(body)}, model, _stream_flags(body), n)
+    def parse(
+        cls, body: dict[str, Any], model: str, templating: ChatTemplating | None = None
+    ) -> ChatPlan:
+        """``templating``: the engine's chat template (the plain transcript without one)."""
+        native = _chat_prompt(body, templating)
+        ids = body.get("input_ids")
+        if ids is not None:
+            # As SGLang: token ids in place of the rendered messages (still checked).
+            if not is_token_list(ids):
+                raise HTTPError(
+                    400, "'input_ids' must be a non-empty list of token ids", param="input_ids"
+                )
+            native = {"input_ids": ids}
+        return cls(*_native(body, "chat", native), model, _stream_flags(body))
 
     def __init__(
         self,
         native: dict[str, Any],
+        names: dict[str, str],
         model: str,
         flags: _StreamFlags,
-        n: int,
     ) -> None:
-        super().__init__(native, model, flags, n)
+        super().__init__(native, names, model, flags)
         self._spoken: set[int] = set()  # children whose first delta (with the role) went out
 
     def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -301,28 +214,48 @@ class ChatPlan(_OpenAIPlan):
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def _chat_prompt(messages: object) -> str:
-    """A plain-text transcript (the SimEngine has no chat template to apply)."""
+def _chat_prompt(body: dict[str, Any], templating: ChatTemplating | None) -> dict[str, Any]:
+    """The prompt of the native body: text, or token ids where the template gives them.
+
+    As SGLang's chat route: it renders the model's template and hands the
+    TokenizerManager the token ids. A template's refusal is the client's error.
+    """
+    messages = _checked_messages(body.get("messages"))
+    continue_final = body.get("continue_final_message")
+    if not isinstance(continue_final, bool | None):
+        raise HTTPError(
+            400, "'continue_final_message' must be a bool", param="continue_final_message"
+        )
+    render = plain_transcript if templating is None else templating.render_chat
+    try:
+        prompt = render(messages, continue_final_message=bool(continue_final))
+    except ValueError as exc:
+        raise HTTPError(
+            400, f"the chat template refused the messages: {exc}", param="messages"
+        ) from exc
+    return {"input_ids": prompt} if isinstance(prompt, list) else {"text": prompt}
+
+
+def _checked_messages(messages: object) -> list[dict[str, Any]]:
+    """The messages as sent, once each has a known role and text content."""
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "'messages' must be a non-empty list", param="messages")
-    lines = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in _ROLES:  # a list or dict is unhashable
             raise HTTPError(
                 400, f"messages[{i}] needs a role in {sorted(_ROLES)}", param="messages"
             )
-        lines.append(f"{role}: {_content_text(message.get('content'), i)}")
-    lines.append("assistant:")
-    return "\n".join(lines)
+        _check_content(message.get("content"), i)
+    return messages
 
 
-def _content_text(content: object, i: int) -> str:
+def _check_content(content: object, i: int) -> None:
     if isinstance(content, str):
-        return content
+        return
     if isinstance(content, list) and all(
         isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
         for part in content
     ):
-        return "".join(part["text"] for part in content)
+        return
     raise HTTPError(400, f"messages[{i}].content must be text", param="messages")

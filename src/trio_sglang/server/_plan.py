@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._errors import InvalidRequest
+from .._fields import check_honoured, unsupported
 from .._outputs import PublicIds
 from .._request import parse_request
+from ._errors import HTTPError
 
 __all__ = ["ChildResult", "Plan"]
 
@@ -36,12 +40,30 @@ class Plan(ABC):
     SSE events (``events``, ``closing_events``) or a single body (``body``).
     """
 
+    #: The native field (top-level, or ``sampling_params.<name>``) -> the client's name for it.
+    names: Mapping[str, str] = {}
+    #: Usage reports the prompt's cached tokens (``--enable-cache-report``); the server sets it.
+    cache_report = False
+
     def __init__(self, native: dict[str, Any], public_id: str, stream: bool, n: int) -> None:
         self.native = native
         self.public_id = public_id
         self.stream = stream
         self.n = n
         self.children: dict[int, ChildResult] = {}
+
+    def check(self, features: Mapping[str, object]) -> None:
+        """What the worker would refuse, refused in the client's words; after admission.
+
+        Here: a field the engine does not honour. The worker refuses it too, but
+        in the native body's words (``sampling_params.min_new_tokens`` where the
+        client sent ``min_tokens``).
+        """
+        try:
+            check_honoured(self.native, features)
+        except InvalidRequest as exc:
+            name = self.names.get(exc.param or "", exc.param or "")
+            raise HTTPError(400, unsupported(name, features), param=name) from None
 
     def add(self, out: dict[str, Any]) -> tuple[int, ChildResult]:
         index = out.get("index", 0)
@@ -82,23 +104,43 @@ class Plan(ABC):
             outs.append(out)
         return outs
 
-    def usage(self) -> dict[str, int]:
-        """OpenAI usage: each prompt counted once, every child's completion."""
-        prompt_tokens: dict[int, int] = {}
-        completion = 0
-        for index, child in self.children.items():
-            prompt_tokens[index // self.n] = int(child.meta.get("prompt_tokens", 0))
-            completion += int(child.meta.get("completion_tokens", 0))
-        return _usage(sum(prompt_tokens.values()), completion)
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage: each prompt counted once (its cached tokens too), every child's completion.
 
-    def child_usage(self, index: int) -> dict[str, int]:
+        As SGLang's ``UsageProcessor``: a prompt's counts are its first child's.
+        """
+        prompts: dict[int, dict[str, Any]] = {}
+        completion = 0
+        for index, child in sorted(self.children.items()):
+            prompts.setdefault(index // self.n, child.meta)
+            completion += int(child.meta.get("completion_tokens", 0))
+        prompt = sum(int(meta.get("prompt_tokens", 0)) for meta in prompts.values())
+        cached = sum(int(meta.get("cached_tokens", 0)) for meta in prompts.values())
+        return self._usage(prompt, completion, cached)
+
+    def child_usage(self, index: int) -> dict[str, Any]:
         """One child's usage so far: its prompt and its completion.
 
         Read from the newest output's ``meta_info``, which counts every token
         so far, also when one event carries several (a client behind, ``Outbox``).
         """
         meta = self.children[index].meta
-        return _usage(int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0)))
+        return self._usage(
+            int(meta.get("prompt_tokens", 0)),
+            int(meta.get("completion_tokens", 0)),
+            int(meta.get("cached_tokens", 0)),
+        )
+
+    def _usage(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        if self.cache_report:
+            # SGLang's --enable-cache-report: the prompt tokens its prefix cache held.
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     @abstractmethod
     def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -111,11 +153,3 @@ class Plan(ABC):
     @abstractmethod
     def body(self) -> object:
         """The whole response, for a request that did not ask to stream."""
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }

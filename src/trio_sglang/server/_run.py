@@ -56,6 +56,7 @@ async def serve(
     shutdown: trio.Event | None = None,
     prefill: PrefillPeer | None = None,
     kv_rooms: HostedKVRooms | None = None,
+    enable_cache_report: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``shutdown`` is set); reports the bound URLs.
@@ -70,6 +71,9 @@ async def serve(
     ``kv_rooms``, the rooms of a prefill ``SimEngine`` (its ``SimKVRooms``),
     is served to decode servers under ``/bootstrap/rooms/`` (SGLang's
     bootstrap server, on this server's HTTP port; see ``_kv_rooms.py``).
+    ``enable_cache_report`` (SGLang's ``--enable-cache-report``): OpenAI usage
+    carries ``prompt_tokens_details.cached_tokens``, the engine's count of
+    prompt tokens its prefix cache held.
     """
     shutdown = trio.Event() if shutdown is None else shutdown
     limits = ServerLimits() if limits is None else limits
@@ -91,7 +95,13 @@ async def serve(
             watching.start_soon(signals.watch)
         async with open_worker(engine, policy=policy, observer=metrics, prefill=prefill) as worker:
             app = ServerApp(
-                worker, metrics, model=model, limits=limits, kv_rooms=kv_rooms, prefill=prefill
+                worker,
+                metrics,
+                model=model,
+                limits=limits,
+                kv_rooms=kv_rooms,
+                prefill=prefill,
+                enable_cache_report=enable_cache_report,
             )
             http = HTTPServer(app, config, limits)
             signals.on_hurry(http.hurry, worker.end_grace)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, get_args
 
 import trio
 
+from .._chat import plain_transcript
 from .._engine import RequestPhase
 from .._kv_rooms import KVRooms
+from .._sampling import SAMPLING_PARAMS, native_name
 from ._disagg import (
     DisaggregationMode,
     SimDecodeScheduler,
@@ -21,6 +23,40 @@ from ._tokenizer import SchedulerFactory, SimStream, SimTokenizerManager
 from ._trace import Trace, TraceKind
 
 __all__ = ["SimEngine"]
+
+#: The request fields the SimEngine honours (``features()["honoured_fields"]``): what it
+#: acts on, and what changes nothing it models, its timing. Every sampling parameter
+#: but beam search is taken (its words are not sampled, so none changes them, nor is a
+#: grammar enforced); so are ids, routing, caching and bookkeeping fields (``cache_salt``
+#: keys its prefix cache). The worker refuses a request that asks for anything else:
+#: multimodal input, log probabilities, hidden states, LoRA, a custom logit processor,
+#: SGLang's sessions and reasoning budgets.
+HONOURED_FIELDS = frozenset(
+    {
+        "session_id",
+        "conversation_id",
+        "watermark",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_pair_key",
+        "decode_tp_size",
+        "routed_dp_rank",
+        "data_parallel_rank",
+        "disagg_prefill_dp_rank",
+        "routing_key",
+        "priority",
+        "extra_key",
+        "cache_salt",
+        "kv_hints",
+        "log_metrics",
+        "background",
+        "no_logs",
+        "custom_labels",
+        "external_trace_header",
+        *(native_name(key) for key in SAMPLING_PARAMS if key != "beam_width"),
+    }
+)
 
 
 class SimEngine:
@@ -57,6 +93,13 @@ class SimEngine:
     reports, as SGLang's tokenizer manager has one: a server refuses a request
     that cannot fit in it before the engine sees it (the simulator itself
     does not check it).
+
+    A request may ask for the fields it honours (``HONOURED_FIELDS``, which
+    ``features()`` lists); the worker refuses any other. ``meta_info.cached_tokens``
+    comes from a model of SGLang's prefix cache (``sim/_prefix_cache.py``).
+
+    Its chat template (``render_chat``, the ``ChatTemplating`` capability) is
+    the plain transcript: ``role: text`` lines, then ``assistant:``.
     """
 
     #: The SGLang release whose behaviour this models.
@@ -146,7 +189,14 @@ class SimEngine:
             "batch_parallel_sampling": True,
             "disaggregation_mode": self.disaggregation_mode,
             "context_length": self.context_length,
+            "honoured_fields": HONOURED_FIELDS,
         }
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, continue_final_message: bool = False
+    ) -> str:
+        """The SimEngine's chat template: the plain transcript, as text to tokenize."""
+        return plain_transcript(messages, continue_final_message=continue_final_message)
 
     def generate(self, request: Mapping[str, Any]) -> SimStream:
         return self._tm.generate_request(request)

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import uuid
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
 from .._engine import RequestPhase
 from .._increments import IncrementQueue
 from .._kv_rooms import BootstrapAddr
+from ._prefix_cache import PrefixCache
 from ._scheduler import VOCAB_SIZE, OutputSink, SimScheduler, SimTiming
 from ._trace import Trace
 
@@ -48,6 +49,14 @@ DEFAULT_MAX_NEW_TOKENS = 128
 Deliver = Callable[["ReqState", dict[str, Any]], None]
 
 
+class Prompt(NamedTuple):
+    """One prompt, as the simulator sees it (words stand in for tokens)."""
+
+    seed: int  # what its tokens are made from
+    tokens: int
+    key: Hashable  # what the prefix cache knows it by: its content and its cache_salt
+
+
 @dataclass(slots=True, eq=False)
 class ReqState:
     rid: str
@@ -56,11 +65,13 @@ class ReqState:
     prompt_tokens: int
     max_new_tokens: int
     deliver: Deliver
+    prompt_key: Hashable = None
     room: int | None = None  # bootstrap_room, for prefill/decode disaggregation
     at: BootstrapAddr | None = None  # bootstrap_host and bootstrap_port, likewise
     dispatch_time: float | None = None  # api_server_dispatch_finish_time
     abort_sent: bool = False
     completion_tokens: int = 0
+    cached_tokens: int = 0  # set at dispatch, from the prefix cache
 
 
 #: Builds the scheduler, given the path back to the tokenizer side.
@@ -84,6 +95,7 @@ class SimTokenizerManager:
             if make_scheduler is None
             else make_scheduler(self._on_output)
         )
+        self.prefix_cache = PrefixCache()
         self.running = False
         self._waiters: dict[str, trio.lowlevel.ParkingLot] = {}
         self._streams: set[SimStream] = set()
@@ -138,6 +150,7 @@ class SimTokenizerManager:
 
     def dispatch(self, state: ReqState) -> None:
         state.dispatch_time = trio.current_time()
+        state.cached_tokens = self.prefix_cache.dispatch(state.prompt_key, state.prompt_tokens)
         self.trace.record("dispatched", state.rid)
         self.scheduler.add_request(
             state.rid, state.seed, state.max_new_tokens, state.prompt_tokens, state.room, state.at
@@ -174,7 +187,7 @@ class SimTokenizerManager:
                 "finish_reason": finish_reason,
                 "prompt_tokens": state.prompt_tokens,
                 "completion_tokens": state.completion_tokens,
-                "cached_tokens": 0,
+                "cached_tokens": state.cached_tokens,
             },
         }
         if state.index is not None:
@@ -324,19 +337,27 @@ class SimStream:
             self._tm.dispatch(state)
         self._submitted = True
 
-    async def _warm_up(self, prompt: tuple[int, int]) -> None:
+    async def _warm_up(self, prompt: Prompt) -> None:
         done = trio.Event()
-        state = ReqState(uuid.uuid4().hex, None, *prompt, 0, lambda _s, _o: done.set())
+        state = ReqState(
+            uuid.uuid4().hex,
+            None,
+            prompt.seed,
+            prompt.tokens,
+            0,
+            lambda _s, _o: done.set(),
+            prompt_key=prompt.key,
+        )
         self._states.append(state)
         self._tm.register(state)
         self._tm.dispatch(state)
         await done.wait()
 
     def _new_state(
-        self, rid: str, index: int | None, prompt: tuple[int, int], max_new_tokens: int
+        self, rid: str, index: int | None, prompt: Prompt, max_new_tokens: int
     ) -> ReqState:
-        seed = prompt[0] + 104729 * (index or 0)  # samples of one prompt differ
-        state = ReqState(rid, index, seed, prompt[1], max_new_tokens, self._deliver)
+        seed = prompt.seed + 104729 * (index or 0)  # samples of one prompt differ
+        state = ReqState(rid, index, seed, prompt.tokens, max_new_tokens, self._deliver, prompt.key)
         self._states.append(state)
         return state
 
@@ -351,16 +372,22 @@ def _max_new_tokens(sampling: Mapping[str, Any]) -> int:
     return DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
 
 
-def _prompts(request: Mapping[str, Any]) -> tuple[list[tuple[int, int]], bool]:
-    """(seed, prompt token count) per prompt, and whether it is a native batch.
-
-    Words stand in for tokens.
-    """
+def _prompts(request: Mapping[str, Any]) -> tuple[list[Prompt], bool]:
+    """Each prompt, and whether the request is a native batch. Words stand in for tokens."""
     text = request.get("text")
+    contents: list[tuple[int, int, int]]  # seed, tokens, checksum
     if text is not None:
         texts = text if isinstance(text, list) else [text]
-        return [(zlib.crc32(t.encode()), len(t.split()) or 1) for t in texts], texts is text
-    ids = request["input_ids"]
-    batch = bool(ids) and isinstance(ids[0], list)
-    id_lists = ids if batch else [ids]
-    return [(sum(p), len(p)) for p in id_lists], batch
+        batch = texts is text
+        contents = [(crc := zlib.crc32(t.encode()), len(t.split()) or 1, crc) for t in texts]
+    else:
+        ids = request["input_ids"]
+        batch = bool(ids) and isinstance(ids[0], list)
+        contents = [
+            (sum(p), len(p), zlib.crc32(repr(p).encode())) for p in (ids if batch else [ids])
+        ]
+    salts = _per_prompt(request.get("cache_salt"), len(contents))  # as many (the worker checks)
+    return [
+        Prompt(seed, n, (crc, n, salt))
+        for (seed, n, crc), salt in zip(contents, salts, strict=True)
+    ], batch
