@@ -9,8 +9,12 @@ import ``_fuzz`` and ``_strategies``), so a test module imports them by name:
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
+
+import pytest
 
 import trio_sglang as ts
 
@@ -54,3 +58,27 @@ async def read(
             if chunks == leave_after:
                 break
     return chunks
+
+
+# -- the sglang session's exit -----------------------------------------------------------
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave without Python's teardown when SGLang was imported in this process.
+
+    SGLang 0.5.23 with its CPU torch build segfaults in the interpreter's
+    teardown once the sglang session's tests have imported enough of it here
+    (no Python frame: native destructors), after every result is reported.
+    Nothing is left to do then but exit with the session's own status.
+    """
+    if "sglang" in sys.modules and _exit_status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[-1])

@@ -21,6 +21,7 @@ import trio
 import trio_sglang as ts
 from trio_sglang.harness._scenarios import RidRecorder
 from trio_sglang.server import serve
+from trio_sglang.testing import Faults, FaultyEngine
 
 MODEL = "templated"
 FAST = {"first_token_delay": 0.001, "token_interval": 0.001}
@@ -130,6 +131,18 @@ async def test_messages_the_template_refuses_are_the_clients_error(open_server: 
     assert engine.requests == []
 
 
+async def test_token_ids_stand_in_for_the_messages_and_no_template_renders_them(
+    open_server: Any,
+) -> None:
+    """As SGLang's chat route: with ``input_ids``, a template that would refuse is never asked."""
+    engine = TemplatedSim(ValueError("never asked"))
+    client = await open_server(engine)
+    answer = await client.post("/v1/chat/completions", json={**chat(), "input_ids": [9, 8]})
+    assert answer.status_code == 200, answer.text
+    assert engine.rendered == []
+    assert [request["input_ids"] for request in engine.requests] == [[9, 8]]
+
+
 async def test_the_messages_are_checked_before_any_template_sees_them(open_server: Any) -> None:
     engine = TemplatedSim([1])
     client = await open_server(engine)
@@ -154,3 +167,9 @@ async def test_an_engine_without_a_template_gets_the_plain_transcript(open_serve
     assert [request["text"] for request in requests] == [
         "system: be brief\nuser: what is it\nassistant:"
     ]
+
+
+def test_a_faulty_engine_renders_with_the_template_of_the_engine_it_wraps() -> None:
+    assert FaultyEngine(TemplatedSim([1, 2]), Faults()).render_chat(MESSAGES) == [1, 2]
+    plain = FaultyEngine(ts.SimEngine(**FAST), Faults())
+    assert plain.render_chat(MESSAGES) == ts.SimEngine(**FAST).render_chat(MESSAGES)

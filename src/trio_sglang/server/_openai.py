@@ -163,10 +163,13 @@ class ChatPlan(_OpenAIPlan):
         cls, body: dict[str, Any], model: str, templating: ChatTemplating | None = None
     ) -> ChatPlan:
         """``templating``: the engine's chat template (the plain transcript without one)."""
-        native = _chat_prompt(body, templating)
         ids = body.get("input_ids")
-        if ids is not None:
-            # As SGLang: token ids in place of the rendered messages (still checked).
+        if ids is None:
+            native = _chat_prompt(body, templating)
+        else:
+            # As SGLang: token ids in place of the rendered messages, which are
+            # still checked but never rendered (no template can refuse them).
+            _checked_messages(body.get("messages"))
             if not is_token_list(ids):
                 raise HTTPError(
                     400, "'input_ids' must be a non-empty list of token ids", param="input_ids"

@@ -10,14 +10,15 @@ release on close, lost aborts before dispatch) still hold.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import trio
 
-from .._engine import Engine, EngineStream, RequestPhase
+from .._chat import plain_transcript
+from .._engine import ChatTemplating, Engine, EngineStream, RequestPhase
 
 __all__ = ["AbortFault", "CloseFault", "Faults", "FaultyEngine"]
 
@@ -113,6 +114,17 @@ class FaultyEngine:
 
     def features(self) -> Mapping[str, object]:
         return {**self.inner.features(), **self._features}
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, continue_final_message: bool = False
+    ) -> str | list[int]:
+        """The wrapped engine's chat template (faults are for requests, not prompts).
+
+        An engine without one gets the plain transcript, as the server gives it.
+        """
+        if isinstance(self.inner, ChatTemplating):
+            return self.inner.render_chat(messages, continue_final_message=continue_final_message)
+        return plain_transcript(messages, continue_final_message=continue_final_message)
 
     def generate(self, request: Mapping[str, Any]) -> EngineStream:
         stream = self.inner.generate(request)
