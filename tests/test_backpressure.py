@@ -23,6 +23,7 @@ from conftest import slow_sim
 from trio_sglang._increments import IncrementQueue
 from trio_sglang.server import ServerApp, ServerLimits, ServerMetrics
 from trio_sglang.server._asgi import SSE_HEARTBEAT
+from trio_sglang.server._outbox import Outbox
 
 
 def output(text: str, ids: list[int], *, index: int = 0, **meta: Any) -> dict[str, Any]:
@@ -214,3 +215,16 @@ async def test_no_heartbeats_when_turned_off(
         await generate(app, send)
     assert SSE_HEARTBEAT not in sent
     assert len(sse_events([{"type": "http.response.body", "body": b} for b in sent])) == 50
+
+
+async def test_outputs_sent_count_as_the_beat_a_look_asked_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A look that finds the sender idle asks for a beat; outputs going out instead answer it."""
+    outbox = Outbox(max_tokens=100)
+    outbox.look()  # idle since the last look: a beat is due
+    outbox.put(output("a", [1]))
+    assert [out["text"] for out in await outbox.take() or []] == ["a"]
+    with trio.move_on_after(1.0) as waited:
+        await outbox.take()  # nothing held, no beat due: it waits
+    assert waited.cancelled_caught

@@ -61,8 +61,8 @@ class Outbox:
             self._wakeup = trio.Event()
             await self._wakeup.wait()
         self._takes += 1
+        self._beat_due = False  # whatever goes out now is the sign of life
         if not self._held and not self._closed:
-            self._beat_due = False
             return None
         return self._held.take_all()
 
