@@ -227,6 +227,9 @@ async def test_prompts_times_n_is_bounded(
     [
         {**GENERATE, "rid": "r" * 9},
         {"text": ["a", "b"], "rid": ["a", "r" * 9]},
+        # Not long, but not printable: a line break would forge log lines.
+        {**GENERATE, "rid": "r\nERROR x"},
+        {**GENERATE, "rid": "\x1b[2J"},
     ],
 )
 async def test_a_long_rid_is_refused(start_server: StartServer, body: dict[str, Any]) -> None:

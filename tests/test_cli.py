@@ -80,6 +80,16 @@ async def test_a_port_in_use_is_one_line_on_stderr() -> None:
     assert "in use" in lines[0], lines
 
 
+@pytest.mark.parametrize("command", ["serve", "bench-endpoint"])
+async def test_help_never_shows_an_api_key_from_the_environment(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRIO_SGLANG_API_KEY", "sk-not-for-your-eyes")
+    result = await run_cli(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert b"sk-not-for-your-eyes" not in result.stdout
+
+
 async def test_a_host_entry_that_is_no_host_is_one_line_on_stderr() -> None:
     result = await run_cli("serve", "--port", "0", "--allowed-bootstrap-hosts", "[::1")
     assert result.returncode == 2, result.stderr

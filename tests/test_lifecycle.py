@@ -296,6 +296,25 @@ async def test_an_engine_that_does_not_close_is_left_behind(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == ["the engine did not close within 3.0s (engine_close_timeout); left it behind"]
 
+    # What the block raised still comes out (in the engine's nursery's group), though
+    # the close was cut short after it.
+    class StuckEvenOnError(FaultyEngine):
+        @asynccontextmanager
+        async def running(self) -> AsyncIterator[None]:
+            async with super().running():
+                try:
+                    yield
+                finally:
+                    await trio.sleep_forever()  # the stuck close under test
+
+    came_out = False
+    try:
+        async with ts.open_worker(StuckEvenOnError(slow_sim(), Faults()), policy=policy):
+            raise KeyError("raised in the block")
+    except* KeyError:
+        came_out = True
+    assert came_out
+
 
 async def test_shutdown_is_immediate_when_nothing_is_pending(
     autojump_clock: trio.testing.MockClock,

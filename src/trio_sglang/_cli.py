@@ -236,8 +236,8 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         "--client-stall-timeout",
         type=_seconds,
         default=limits.client_stall_timeout,
-        help="a client that takes no bytes of its response for this long is gone: its "
-        "request stops and its connection is reset",
+        help="a client that takes none of a write (at most 64 KiB) for this long is gone: "
+        "its request stops and its connection is reset",
     )
     edge.add_argument(
         "--max-unsent-tokens",
@@ -286,7 +286,6 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
     access = serve.add_argument_group("access")
     access.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on every route but /health and the KV "
         f"rooms; a decode server sends it to its --prefill-url server too (default: "
         f"${API_KEY_ENV} if set, else none)",
@@ -310,8 +309,8 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         "--shutdown-grace",
         type=_seconds,
         default=policy.shutdown_grace,
-        help="open streams and pending engine-side cleanup get this at shutdown, then "
-        "connections still open are reset",
+        help="at shutdown, open responses end and their connections get 1 s to close (then "
+        "they are reset); then pending engine-side cleanup gets this",
     )
     stopping.add_argument(
         "--engine-close-timeout",
@@ -334,7 +333,7 @@ def _server_limits(args: argparse.Namespace) -> ServerLimits:
         max_children_per_request=args.max_children_per_request,
         max_rid_length=args.max_rid_length,
         context_length=args.context_length,
-        api_key=args.api_key or None,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         allowed_hosts=tuple(args.allowed_hosts or ()),
         allowed_bootstrap_hosts=tuple(args.allowed_bootstrap_hosts or ()),
     )

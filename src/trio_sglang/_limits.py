@@ -36,8 +36,8 @@ class ServerLimits:
     #: A request's body must arrive within this long of its headers; a slower
     #: one gets 408 and its connection is closed.
     request_read_timeout: float = 30.0
-    #: A client that accepts no bytes of its response for this long is gone:
-    #: its request is stopped at the engine and its connection is closed.
+    #: A client that takes none of a write (at most 64 KiB) for this long is
+    #: gone: its request is stopped at the engine and its connection is reset.
     client_stall_timeout: float = 10.0
     #: Tokens a streaming response may hold produced but not yet sent (they are
     #: coalesced into fewer, larger events while the client is behind). A
@@ -73,7 +73,10 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for field in fields(self):
             name, value = field.name, getattr(self, field.name)
-            if name.endswith("_timeout") or name == "sse_heartbeat":
+            if name.endswith("_timeout"):  # 0 would refuse every client at once
+                if not _is_number(value) or math.isnan(value) or value <= 0:
+                    raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            elif name == "sse_heartbeat":  # 0: off
                 if not _is_number(value) or math.isnan(value) or value < 0:
                     raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
             elif name.startswith("max_") or (name == "context_length" and value is not None):

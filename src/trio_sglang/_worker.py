@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -412,6 +413,7 @@ async def open_worker(
         raise TypeError(f"policy must be an AbortPolicy, got {type(policy).__name__}")
     if prefill is not None and role_of(engine.features()) != "decode":
         raise ValueError("prefill= is for a worker whose engine is in decode mode")
+    leaving_with: BaseException | None = None
     with trio.CancelScope() as closing:
         async with engine.running():
             try:
@@ -434,8 +436,12 @@ async def open_worker(
                 # From here on the engine closes; bounded, so that leaving the
                 # worker always finishes.
                 closing.deadline = trio.current_time() + policy.engine_close_timeout
+                leaving_with = sys.exception()
     if closing.cancelled_caught:
         logger.error(
             "the engine did not close within %ss (engine_close_timeout); left it behind",
             policy.engine_close_timeout,
         )
+        if leaving_with is not None:
+            # The close's cancellation replaced what the block was raising: not lost.
+            raise leaving_with

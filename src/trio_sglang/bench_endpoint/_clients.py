@@ -142,6 +142,8 @@ async def visit(
                     await _read(client, target, body, phase, rule, record, trace)
             except httpx.HTTPError as exc:
                 record.outcome, record.error = "failed", type(exc).__name__
+            except (ValueError, TypeError, AttributeError) as exc:  # an answer not as its API's
+                record.outcome, record.error = "failed", f"unreadable answer: {exc!r:.200}"
             if leave.cancelled_caught:
                 record.outcome = "left"
         if guard.cancelled_caught:
@@ -197,12 +199,14 @@ def _new_tokens(api: Api, event: Any, seen: int) -> int:
     if not isinstance(event, dict):
         return 0
     if api == "sglang-generate":
-        completion = (event.get("meta_info") or {}).get("completion_tokens")
+        meta = event.get("meta_info")
+        completion = meta.get("completion_tokens") if isinstance(meta, dict) else None
         if isinstance(completion, int):
             return max(0, completion - seen)
         return 1 if event.get("text") else 0
-    choices = event.get("choices") or [{}]
-    choice = choices[0] if isinstance(choices[0], dict) else {}
+    choices = event.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    choice = choice if isinstance(choice, dict) else {}
     if api == "openai-completions":
         return 1 if choice.get("text") else 0
     delta = choice.get("delta") or {}
@@ -214,7 +218,9 @@ async def discover_model(target: Target) -> str:
     async with target.client() as client:
         response = await client.get("/v1/models")
         response.raise_for_status()
-        models = response.json().get("data") or []
-    if not models:
+        listing = response.json()
+    models = listing.get("data") if isinstance(listing, dict) else None
+    first = models[0] if isinstance(models, list) and models else None
+    if not isinstance(first, dict) or "id" not in first:
         raise LookupError(f"{target.url}/v1/models lists no model: name one with --model")
-    return str(models[0]["id"])
+    return str(first["id"])

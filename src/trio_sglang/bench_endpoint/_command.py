@@ -9,11 +9,13 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import trio
 
+from .._limits import API_KEY_ENV
 from ._clients import Target
 from ._phases import ALL_PHASES, parse_phases
 from ._plot import plot
@@ -69,7 +71,9 @@ def plan_from_options(args: argparse.Namespace) -> Plan:
         kind = kind_from_option(args.metrics) if args.metrics else None
     except ValueError as exc:
         raise Refused(str(exc)) from exc
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # Read here, not as the option's default: --help would print it.
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     target = Target(
         url=url,
         api=args.api,

@@ -8,18 +8,15 @@ command itself (``_command``) does.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import get_args
 
+from .._limits import API_KEY_ENV
 from ._apis import Api
 from ._phases import MEANING
 from ._servers import KINDS
 
-__all__ = ["API_KEY_ENV", "add_options"]
-
-#: The environment variable the OpenAI SDK reads its key from; the key is sent as a bearer token.
-API_KEY_ENV = "OPENAI_API_KEY"
+__all__ = ["add_options"]
 
 
 def add_options(
@@ -47,7 +44,6 @@ def add_options(
     )
     target.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
         help=f"sent as 'Authorization: Bearer KEY' on every request and scrape (default: "
         f"${API_KEY_ENV} if set, else none)",
     )

@@ -102,6 +102,10 @@ async def run_bench(plan: Plan, progress: Callable[[str], None]) -> Report:
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(sampler.run)
+        if not sampler.samples:  # its first scrape failed
+            raise Refused(
+                f"cannot read the metrics at {', '.join(plan.metrics_urls)}: {sampler.last_failure}"
+            )
         started = trio.current_time()
         started_utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         initial = sampler.latest()

@@ -160,6 +160,12 @@ class Admission:
             raise self._refuse(
                 "rid_too_long", 400, f"'rid' is over {limit} characters", param="rid"
             )
+        # A rid names the request in responses and in the logs: no line breaks, no
+        # terminal escapes that a log reader would take for the server's own lines.
+        if any(isinstance(one, str) and not one.isprintable() for one in rids):
+            raise self._refuse(
+                "rid_too_long", 400, "'rid' must be printable characters only", param="rid"
+            )
 
     def _check_context(self, length: int, budget: object, name: str, prompt_name: str) -> None:
         """SGLang's check (``TokenizerManager._validate_one_request``), in its words.

@@ -34,7 +34,7 @@ from ._asgi import (
     Receive,
     Scope,
     Send,
-    read_json,
+    read_json_within,
     send_json,
     send_sse,
     send_text,
@@ -99,7 +99,11 @@ class ServerApp:
         self._inflight = InFlight()
         # A prefill server's bootstrap routes; served while it shuts down too,
         # so that the decode side's last abort notifications still land.
-        self._rooms = None if kv_rooms is None else KVRoomsApp(kv_rooms)
+        self._rooms = (
+            None
+            if kv_rooms is None
+            else KVRoomsApp(kv_rooms, read_timeout=self.limits.request_read_timeout)
+        )
         metrics.watch(worker)
         if kv_rooms is not None:
             metrics.watch_kv_rooms(kv_rooms)
@@ -147,6 +151,8 @@ class ServerApp:
             # /health is for load balancers, which send no key; the rooms are for
             # the decode side's HTTPKVRooms, which has no key to send.
             self._admission.check_access(scope, needs_key=path != "/health" and rooms is None)
+            if rooms is not None and method == "POST":  # a decode peer's events: JSON only
+                self._admission.check_content_type(scope)
         except HTTPError as exc:
             await send_json(send, exc.status, exc.body(), exc.headers)
             return
@@ -290,16 +296,9 @@ class ServerApp:
         self._count(endpoint, outcome, phase=phase)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
-        """The JSON body, within ``request_read_timeout`` of the headers (408 after it)."""
-        timeout = self.limits.request_read_timeout
-        with trio.move_on_after(timeout):
-            return await read_json(scope, receive, self.limits.max_body_bytes)
-        # The rest of the body may still be coming: the connection cannot be
-        # reused, and hypercorn closes it after this answer.
-        raise HTTPError(
-            408,
-            f"the request body did not arrive within {timeout}s",
-            headers=[(b"connection", b"close")],
+        limits = self.limits
+        return await read_json_within(
+            scope, receive, limits.max_body_bytes, limits.request_read_timeout
         )
 
     async def _watch_disconnect(self, receive: Receive, ctx: RequestContext) -> None:
@@ -451,8 +450,12 @@ def _shutting_down() -> HTTPError:
 
 
 def _drop_client(ctx: RequestContext, reason: DropReason) -> None:
-    """The client is gone, though connected: stop its request and reset its connection."""
+    """The client is gone, though connected: stop its request and reset its connection.
+
+    Over HTTP/2 only the request stops: its stream ends with the handler, and
+    the connection's other streams, which may be other users', go on.
+    """
     ctx.kill()
     connection = current_connection()
-    if connection is not None:
+    if connection is not None and connection.http1:
         connection.drop(reason)

@@ -6,6 +6,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, NoReturn
 
+import trio
+
 from ._errors import HTTPError
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "Scope",
     "Send",
     "read_json",
+    "read_json_within",
     "send_json",
     "send_sse",
     "send_text",
@@ -85,6 +88,22 @@ async def read_json(scope: Scope, receive: Receive, limit: int) -> dict[str, Any
     if not isinstance(data, dict):
         raise HTTPError(400, "the JSON body must be an object")
     return data
+
+
+async def read_json_within(
+    scope: Scope, receive: Receive, limit: int, seconds: float
+) -> dict[str, Any]:
+    """``read_json``, all of it within ``seconds`` of the headers: 408 after it.
+
+    The rest of the body may still be coming, so the 408 closes the connection.
+    """
+    with trio.move_on_after(seconds):
+        return await read_json(scope, receive, limit)
+    raise HTTPError(
+        408,
+        f"the request body did not arrive within {seconds}s",
+        headers=[(b"connection", b"close")],
+    )
 
 
 def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:

@@ -43,7 +43,7 @@ import httpx
 import trio
 
 from .._kv_rooms import BootstrapAddr, HostedKVRooms, RoomEvent
-from ._asgi import ClientGone, Receive, Scope, Send, read_json, send_json
+from ._asgi import ClientGone, Receive, Scope, Send, read_json_within, send_json
 from ._errors import HTTPError, method_not_allowed
 
 __all__ = ["ROOMS_PATH", "HTTPKVRooms", "KVRoomsApp", "open_http_kv_rooms"]
@@ -76,14 +76,18 @@ class KVRoomsApp:
     asks again later.
     """
 
-    def __init__(self, rooms: HostedKVRooms) -> None:
+    def __init__(self, rooms: HostedKVRooms, *, read_timeout: float) -> None:
         self.rooms = rooms
+        self._read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             room = _room_of(scope["path"])
             if scope["method"] == "POST":
-                self._record(room, await read_json(scope, receive, _MAX_MESSAGE_BYTES))
+                body = await read_json_within(
+                    scope, receive, _MAX_MESSAGE_BYTES, self._read_timeout
+                )
+                self._record(room, body)
                 await send_json(send, 200, {})
             elif scope["method"] == "GET":
                 wanted, hold = _wait_query(scope.get("query_string", b""))
