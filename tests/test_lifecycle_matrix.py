@@ -18,6 +18,8 @@ stop the engine then (a cancel between pulls never reaches SGLang's generator).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,15 +228,35 @@ async def test_cancel_matrix(
 # -- a scope inside the block cancels a pull, and the block stays open ----------------
 
 #: Request shapes, and whether the engine's close releases them; each takes another path
-#: (the caller's own pull, or the worker's reader) through the lifecycle.
+#: (the caller's own pull, the worker's reader, or a decode leg beside its prefill leg)
+#: through the lifecycle.
 PULL_PATHS: dict[str, tuple[dict[str, Any], bool]] = {
     "one prompt": ({}, True),
     "native batch": ({"text": ["once upon", "a time"]}, True),
     "parallel sampling": ({"sampling_params": {"max_new_tokens": 5, "n": 2}}, True),
     "no release on close": ({}, False),
+    "disaggregated": ({}, True),
 }
 #: With ``slow_sim``: registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ...
 PULL_CANCELS = {"tokenizing": 1.0, "before the first token": 2.0, "mid-stream": 3.0}
+
+
+@asynccontextmanager
+async def engines_and_worker(path: str) -> AsyncIterator[tuple[list[ts.SimEngine], ts.Worker]]:
+    """The worker of ``path``, and every engine its requests reach."""
+    _, release = PULL_PATHS[path]
+    if path != "disaggregated":
+        engine = slow_sim(release_on_close=release)
+        async with ts.open_worker(engine) as worker:
+            yield [engine], worker
+        return
+    rooms = ts.SimKVRooms()
+    prefill = slow_sim(disaggregation_mode="prefill", kv_rooms=rooms)
+    decode = slow_sim(disaggregation_mode="decode", kv_rooms=rooms)
+    async with ts.open_worker(prefill) as prefill_worker:
+        peer = ts.InProcessPrefill(prefill_worker)
+        async with ts.open_worker(decode, prefill=peer) as worker:
+            yield [prefill, decode], worker
 
 
 @pytest.mark.parametrize("moment", PULL_CANCELS, ids=str)
@@ -245,15 +267,15 @@ async def test_a_pull_cancelled_inside_the_block_stops_the_engine_then_not_at_bl
     """A timeout around the ``async for``, and the block goes on: the engine stops at the timeout.
 
     The stream cannot resume after a cancelled pull, so its cleanup starts at
-    that moment, whoever reads the engine stream; it does not wait for the
-    block to end, which may be much later.
+    that moment, whoever reads the engine stream (and a decode request's
+    prefill leg stops with it); it does not wait for the block to end, which
+    may be much later.
     """
     fields, release = PULL_PATHS[path]
     cancel_at = PULL_CANCELS[moment]
-    engine = slow_sim(release_on_close=release)
     request = {"text": "tell me a story", "sampling_params": {"max_new_tokens": 5}, **fields}
     async with (
-        ts.open_worker(engine) as worker,
+        engines_and_worker(path) as (engines, worker),
         worker.generate(request, ts.RequestContext("timed-out"), output="tokens") as chunks,
     ):
         with trio.move_on_at(cancel_at):
@@ -264,10 +286,16 @@ async def test_a_pull_cancelled_inside_the_block_stops_the_engine_then_not_at_bl
         stop_at = cancel_at if release else max(cancel_at, 1.5)
         await trio.sleep_until(stop_at)
         await trio.testing.wait_all_tasks_blocked()
-        assert engine.live_rids() == set()  # stopped while the block is still open
+        for engine in engines:
+            assert engine.live_rids() == set()  # stopped while the block is still open
         assert trio.current_time() == stop_at
         await trio.sleep(10)
-    # What the cancel ended (n > 1 releases SGLang's rid_i placeholders earlier, by itself).
-    ended = [e for e in engine.trace if e.kind in ("released", "abort_applied")]
-    assert {e.time for e in ended if e.time >= cancel_at} == {stop_at}
-    assert [e for e in engine.trace if e.kind == "token" and e.time > cancel_at] == []
+    for engine in engines:
+        # What the cancel ended (n > 1 releases SGLang's rid_i placeholders earlier, by itself),
+        # at the engine the tokens come from; a prefill leg may have finished before it.
+        ended = {e.time for e in engine.trace if e.kind in ("released", "abort_applied")}
+        ended_by_cancel = {time for time in ended if time >= cancel_at}
+        assert (
+            ended_by_cancel == {stop_at} if engine is engines[-1] else ended_by_cancel <= {stop_at}
+        )
+        assert [e for e in engine.trace if e.kind == "token" and e.time > cancel_at] == []

@@ -176,13 +176,19 @@ class ResponseStream:
         await trio.lowlevel.checkpoint()
 
     def _close(self, *, pull_cancelled: bool = False) -> None:
-        """Hand the engine side over to the worker; a no-op once done."""
+        """Hand the engine side over to the worker; a no-op once done.
+
+        Both legs stop here, when the stream closes (a cancelled pull closes
+        it while the block may stay open for long), not at block exit.
+        """
         state = self._state
         if state is _FINISHED or state is _CLOSED:
             return
         self._state = _CLOSED
         if state is _NEW:
             return
+        if self._leg is not None:
+            self._worker._end_prefill_leg(self._leg)
         if self._pump is not None:
             self._pump.consumer_left()
         else:
@@ -303,7 +309,7 @@ class Worker:
         finally:
             ctx._detach(scope)
             stream._close()
-            if leg is not None:
+            if leg is not None:  # again: a stream that finished leaves its leg to this
                 self._end_prefill_leg(leg)
             self._open.discard(stream)
             if self._all_closed is not None and not self._open:
