@@ -177,6 +177,7 @@ class _Handle:
 
     __slots__ = (
         "aborted",
+        "done",
         "ended",
         "engine_id",
         "gone",
@@ -204,6 +205,8 @@ class _Handle:
         self.wake = trio.Event()
         #: The pump's scope; its deadline is set when the consumer leaves.
         self.pump_scope = trio.CancelScope()
+        #: Set when the pump ended: the server's side of the stream is gone.
+        self.done = trio.Event()
 
 
 class _PumpedChunks:
@@ -216,7 +219,7 @@ class _PumpedChunks:
     def __aiter__(self) -> _PumpedChunks:
         return self
 
-    async def __anext__(self) -> object:
+    async def __anext__(self) -> dict[str, Any]:
         if not self._handle.wanted:
             self._handle.wanted = True
             self._handle.wake.set()
@@ -224,6 +227,10 @@ class _PumpedChunks:
             return await self._receive.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
+
+    async def server_ended(self) -> None:
+        """Until the pump is done with the engine stream (the handler's stream ended)."""
+        await self._handle.done.wait()
 
 
 class _Baseline(ABC):
@@ -252,7 +259,9 @@ class _Baseline(ABC):
         return self._pending
 
     @asynccontextmanager
-    async def stream(self, request: Mapping[str, Any], rec: StreamRecord) -> AsyncIterator[Chunks]:
+    async def stream(
+        self, request: Mapping[str, Any], rec: StreamRecord
+    ) -> AsyncIterator[_PumpedChunks]:
         rid = uuid.uuid4().hex
         rec.rid = rid
         handle = _Handle(rid, self._engine.generate({**request, "rid": rid, "stream": True}))
@@ -293,6 +302,7 @@ class _Baseline(ABC):
             send.close()
             with trio.move_on_after(CLOSE_BOUND, shield=True):
                 await handle.stream.aclose()
+            handle.done.set()
 
     async def _pump_outputs(
         self, handle: _Handle, send: trio.MemorySendChannel[dict[str, Any]]

@@ -1,84 +1,255 @@
-"""The smaller sweep on the real SGLang TokenizerManager (``--engine sglang-harness``).
+"""The sweep on the real SGLang TokenizerManager (``--engine sglang-harness``), with Dynamo's code.
 
-Each cancel runs as one conformance scenario in the harness's host process:
-the real TokenizerManager driven by ``SGLangEngine`` through trio-asyncio,
-against the stand-in scheduler. Times come from one clock for both sides
-(``time.monotonic``, system-wide): the caller's block closing, and the
-scheduler's log of the abort it applied. One stream at a time: the harness
-runs scenarios in turn.
+Each cancel runs as one scenario in the harness's host process: SGLang
+0.5.23's real TokenizerManager against the stand-in scheduler, the request
+made either by trio-sglang's worker (``SGLangEngine`` through trio-asyncio)
+or by NVIDIA Dynamo 1.6.1's own SGLang handler (``dynamo-1.6``: the
+``bench-dynamo`` extra, see ``trio_sglang.harness._dynamo_handler``). The two
+take turns, cancel by cancel, in the same phases with the same timing. Times
+come from one clock for both sides (``time.monotonic``, system-wide): the
+cancel, the caller's stream ending, and the scheduler's log of what it
+received and applied. One stream at a time: the harness runs scenarios in
+turn. After each request the host waits (bounded) until the TokenizerManager
+holds nothing, so a request that nobody stopped is counted to its end.
+
+Then the SimEngine's ``poll-then-abort`` runs the same scenarios
+(``_harness_sim.py``, on a MockClock) and ``check_model`` sets each of its
+rows against Dynamo's real one.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from _harness_sim import observe_poll_then_abort
 from _metrics import percentiles
-from trio_sglang.harness import CancelPhase, Scenario, open_sglang_harness
+from _verdict import MachineState
+from trio_sglang.harness import Caller, CancelPhase, Observation, Scenario, open_sglang_harness
 
-__all__ = ["HARNESS_PHASES", "format_harness", "run_harness_sweep"]
+__all__ = [
+    "HARNESS_PHASES",
+    "check_model",
+    "format_harness",
+    "run_harness_sweep",
+    "run_model_sweep",
+]
 
-HARNESS_PHASES: tuple[CancelPhase, ...] = ("tokenizing", "dispatched", "mid_stream")
-REQUEST = {"text": "hello world", "sampling_params": {"max_new_tokens": 40}}
+FIRST_TOKEN_DELAY = 0.05
+TOKEN_INTERVAL = 0.02
+MAX_NEW_TOKENS = 40
+REQUEST = {"text": "hello world", "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS}}
+#: The longest the host waits after a request for the TokenizerManager to hold nothing.
+WAIT_IDLE = 5.0
+#: A model's abort delay agrees with the real one within this (ms), or this share of it.
+DELAY_NOISE_MS, DELAY_NOISE_SHARE = 3.0, 0.25
 
 
-async def run_harness_sweep(repeats: int) -> list[dict[str, Any]]:
-    """One row per phase, in the JSON shape of the SimEngine sweep (concurrency 1)."""
-    rows = []
-    async with open_sglang_harness(first_token_delay=0.05, token_interval=0.02) as harness:
-        for phase in HARNESS_PHASES:
-            closes: list[float] = []
-            delays: list[float] = []
-            wasted: list[float] = []
-            lost = leaked = 0
+@dataclass(frozen=True, slots=True)
+class HarnessPhase:
+    name: str
+    cancel: CancelPhase
+    tokenize_delay: float
+    why: str
+
+    def scenario(self, index: int) -> Scenario:
+        return Scenario(
+            f"{self.name}-{index}",
+            REQUEST,
+            "tokens",
+            self.cancel,
+            tokenize_delay=self.tokenize_delay,
+            wait_idle=WAIT_IDLE,
+        )
+
+
+HARNESS_PHASES: dict[str, HarnessPhase] = {
+    phase.name: phase
+    for phase in (
+        HarnessPhase(
+            "before_registration",
+            "before_registration",
+            0.05,
+            "the cancel comes as the request starts, before SGLang registers it",
+        ),
+        HarnessPhase("tokenizing", "tokenizing", 0.05, "at registration, 50 ms of tokenizing left"),
+        HarnessPhase(
+            "slow_tokenization",
+            "tokenizing",
+            0.5,
+            "at registration, 0.5 s of tokenizing left: longer than Dynamo's 0.25 s dispatch wait",
+        ),
+        HarnessPhase("dispatched", "dispatched", 0.0, "at dispatch, 50 ms before the first token"),
+        HarnessPhase("mid_stream", "mid_stream", 0.0, "after two chunks"),
+        HarnessPhase(
+            "consumer_leaves",
+            "consumer_leaves",
+            0.0,
+            "after two chunks the caller leaves without a cancel signal",
+        ),
+    )
+}
+
+
+async def run_harness_sweep(repeats: int, callers: Sequence[Caller]) -> list[dict[str, Any]]:
+    """One row per (caller, phase), the callers taking turns cancel by cancel."""
+    seen: dict[tuple[Caller, str], list[Observation]] = {}
+    async with open_sglang_harness(
+        first_token_delay=FIRST_TOKEN_DELAY,
+        token_interval=TOKEN_INTERVAL,
+        dynamo="dynamo-1.6" in callers,
+    ) as harness:
+        for phase in HARNESS_PHASES.values():
             for i in range(repeats):
-                scenario = Scenario(
-                    f"{phase}-{i}",
-                    REQUEST,
-                    "tokens",
-                    phase,
-                    tokenize_delay=0.05 if phase == "tokenizing" else 0.0,
-                )
-                with trio.fail_after(60):
-                    seen = await harness.run(scenario)
-                lost += sum(events.count("abort_lost") for events in seen.scheduler)
-                leaked += seen.registered_after
-                if seen.stream_close is not None:
-                    closes.append(seen.stream_close * 1e3)
-                # Released before dispatch: the scheduler never held it.
-                delays.append(0.0 if seen.abort_delay is None else seen.abort_delay * 1e3)
-                wasted.append(float(seen.tokens_after_cancel))
-            rows.append(
-                {
-                    "approach": "trio-sglang",
-                    "engine": "sglang-harness",
-                    "phase": phase,
-                    "concurrency": 1,
-                    "cancels": repeats,
-                    "stream_close_ms": percentiles(closes),
-                    "abort_delay_ms": percentiles(delays),
-                    "aborts_lost": lost,
-                    "leaked": leaked,
-                    "wasted_tokens": percentiles(wasted),
-                }
+                for caller in callers:
+                    with trio.fail_after(60):
+                        observed = await harness.run(phase.scenario(i), caller)
+                    seen.setdefault((caller, phase.name), []).append(observed)
+    return [_row(caller, "sglang-harness", phase, runs) for (caller, phase), runs in seen.items()]
+
+
+async def run_model_sweep(repeats: int) -> list[dict[str, Any]]:
+    """The same scenarios through the SimEngine's ``poll-then-abort`` (run it on a MockClock)."""
+    rows = []
+    for phase in HARNESS_PHASES.values():
+        runs = [
+            await observe_poll_then_abort(
+                phase.scenario(i),
+                first_token_delay=FIRST_TOKEN_DELAY,
+                token_interval=TOKEN_INTERVAL,
             )
+            for i in range(repeats)
+        ]
+        rows.append(_row("poll-then-abort", "sim", phase.name, runs))
     return rows
 
 
-def format_harness(rows: list[dict[str, Any]]) -> str:
-    def triple(stats: dict[str, float | None]) -> str:
-        return " / ".join("-" if v is None else f"{v:.2f}" for v in stats.values())
+def _reached(seen: Observation) -> bool:
+    """The request reached the scheduler."""
+    return any("request" in events for events in seen.scheduler)
+
+
+def _stopped(seen: Observation) -> bool:
+    return any(kind.startswith("abort_applied") for events in seen.scheduler for kind in events)
+
+
+def _abort_delay_ms(seen: Observation) -> float:
+    if not _reached(seen):
+        return 0.0  # nothing ever reached the scheduler: nothing to stop
+    if seen.abort_delay is None:
+        return math.inf  # it reached the scheduler and nothing stopped it
+    return seen.abort_delay * 1e3
+
+
+def _row(approach: str, engine: str, phase: str, runs: list[Observation]) -> dict[str, Any]:
+    return {
+        "approach": approach,
+        "engine": engine,
+        "phase": phase,
+        "concurrency": 1,
+        "cancels": len(runs),
+        "stream_end_ms": percentiles(
+            [s.stream_close * 1e3 for s in runs if s.stream_close is not None]
+        ),
+        "abort_delay_ms": percentiles([_abort_delay_ms(s) for s in runs]),
+        "sent_to_scheduler": sum(_reached(s) for s in runs),
+        "aborts_lost": sum(events.count("abort_lost") for s in runs for events in s.scheduler),
+        "not_stopped": sum(_reached(s) and not _stopped(s) for s in runs),
+        "leaked": sum(s.registered_after for s in runs),
+        "wasted_tokens": percentiles([float(s.tokens_after_cancel) for s in runs]),
+    }
+
+
+#: What must be equal between the model and the real handler, per phase.
+COUNTS = ("sent_to_scheduler", "aborts_lost", "not_stopped", "leaked")
+
+
+def check_model(rows: list[dict[str, Any]], machine: MachineState) -> list[dict[str, Any]]:
+    """Per phase: does ``poll-then-abort`` (sim) agree with ``dynamo-1.6`` (real), and if not, how.
+
+    The counts must be equal, and the wasted tokens at p50: judged on any
+    machine. The abort delay at p50 must be within ``DELAY_NOISE_MS`` or
+    ``DELAY_NOISE_SHARE`` of the real one; the real one is the event loop's
+    sleeps, which a busy machine stretches, so that is judged only on a quiet
+    one (``machine``). The stream end is reported, not judged (the model has
+    no transport between tokenizer and scheduler: docs/benchmarks.md).
+    """
+    by_key = {(row["approach"], row["phase"]): row for row in rows}
+    checks = []
+    for phase in HARNESS_PHASES:
+        real, model = by_key.get(("dynamo-1.6", phase)), by_key.get(("poll-then-abort", phase))
+        if real is None or model is None:
+            continue
+        differ = [f"{key} {model[key]} vs {real[key]}" for key in COUNTS if model[key] != real[key]]
+        if model["wasted_tokens"]["p50"] != real["wasted_tokens"]["p50"]:
+            differ.append(
+                f"wasted tokens p50 {model['wasted_tokens']['p50']:.0f} vs "
+                f"{real['wasted_tokens']['p50']:.0f}"
+            )
+        sim_ms, real_ms = model["abort_delay_ms"]["p50"], real["abort_delay_ms"]["p50"]
+        unjudged = []
+        if not _delays_agree(sim_ms, real_ms):
+            delay = f"abort delay p50 {_ms(sim_ms)} vs {_ms(real_ms)} ms"
+            if machine.quiet or None in (sim_ms, real_ms):
+                differ.append(delay)
+            else:
+                unjudged.append(f"{delay}: {machine.verdict}")
+        checks.append(
+            {"phase": phase, "agree": not differ, "differences": differ, "not_judged": unjudged}
+        )
+    return checks
+
+
+def _delays_agree(model: float | None, real: float | None) -> bool:
+    if model is None or real is None:  # never stopped
+        return model is real
+    return abs(model - real) <= max(DELAY_NOISE_MS, DELAY_NOISE_SHARE * real)
+
+
+def _ms(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f}"
+
+
+def format_harness(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
+    """The table (p50 / p99, ms), then the model check; within 100 columns."""
+
+    def pair(stats: dict[str, float | None]) -> str:
+        return f"{_short(stats['p50'])} / {_short(stats['p99'])}"
 
     lines = [
-        "real TokenizerManager + stand-in scheduler, 1 stream (p50 / p99 / max)",
-        f"{'phase':<14} {'cancels':>7}  {'stream close ms':>22}  {'abort delay ms':>22}  "
-        f"{'lost':>4} {'leaked':>6}  wasted tokens",
+        "real TokenizerManager + stand-in scheduler, one stream at a time, p50 / p99 in ms;",
+        "poll-then-abort: the SimEngine's model of dynamo-1.6 in the same scenarios (MockClock)",
+        "",
+        f"{'phase':<19} {'approach':<15} {'n':>3} {'stream end':>13} {'abort delay':>13} "
+        f"{'sent':>4} {'lost':>4} {'unstop':>6} {'leak':>4} wasted",
     ]
-    for row in rows:
+    order = {phase: i for i, phase in enumerate(HARNESS_PHASES)}
+    for row in sorted(rows, key=lambda r: order[r["phase"]]):
+        wasted = row["wasted_tokens"]
         lines.append(
-            f"{row['phase']:<14} {row['cancels']:>7}  {triple(row['stream_close_ms']):>22}  "
-            f"{triple(row['abort_delay_ms']):>22}  {row['aborts_lost']:>4} {row['leaked']:>6}  "
-            f"{triple(row['wasted_tokens'])}"
+            f"{row['phase']:<19} {row['approach']:<15} {row['cancels']:>3} "
+            f"{pair(row['stream_end_ms']):>13} {pair(row['abort_delay_ms']):>13} "
+            f"{row['sent_to_scheduler']:>4} {row['aborts_lost']:>4} {row['not_stopped']:>6} "
+            f"{row['leaked']:>4} {wasted['p50']:>3.0f} / {wasted['max']:.0f}"
         )
+    if checks:
+        lines += ["", "poll-then-abort (the SimEngine's model) against dynamo-1.6 (its real code):"]
+        for check in checks:
+            agrees = "agrees in every count" if check["not_judged"] else "agrees"
+            verdict = agrees if check["agree"] else "differs: " + "; ".join(check["differences"])
+            lines.append(f"  {check['phase']:<19} {verdict}")
+            lines += [f"    {note}" for note in check["not_judged"]]
     return "\n".join(lines)
+
+
+def _short(value: float | None) -> str:
+    """A latency in at most five characters: 0.13, 72.5, 1,002."""
+    if value is None:
+        return "never"
+    if value < 10:
+        return f"{value:.2f}"
+    return f"{value:.1f}" if value < 100 else f"{value:,.0f}"

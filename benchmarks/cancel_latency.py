@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -37,9 +38,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+from trio.testing import MockClock
 
 import trio_sglang as ts
 from _approaches import APPROACHES
@@ -57,6 +59,10 @@ from _report import (
     write_json,
 )
 from _shutdown import shutdown_time
+from _verdict import judge_machine
+
+if TYPE_CHECKING:
+    from trio_sglang.harness import Caller
 
 __all__ = ["SIZES", "Config", "Size", "main", "run_benchmark"]
 
@@ -262,10 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["sim", "sglang-harness"],
         default="sim",
-        help="sglang-harness: the smaller sweep on the real TokenizerManager (sglang extra)",
+        help="sglang-harness: the smaller sweep on the real TokenizerManager (sglang extra), "
+        "beside Dynamo 1.6.1's own SGLang handler (bench-dynamo extra)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=20, help="cancels per phase with --engine sglang-harness"
+        "--repeats",
+        type=int,
+        default=20,
+        help="cancels per phase and approach with --engine sglang-harness",
     )
     return parser
 
@@ -401,14 +411,56 @@ def harness_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from _harness_sweep import format_harness, run_harness_sweep
+    from _harness_sweep import check_model, format_harness, run_harness_sweep, run_model_sweep
 
-    rows = trio.run(run_harness_sweep, 5 if args.quick else args.repeats)
-    print(format_harness(rows))
+    repeats = 5 if args.quick else args.repeats
+    callers: tuple[Caller, ...] = ("trio-sglang", "dynamo-1.6")
+    if importlib.util.find_spec("dynamo") is None:
+        callers = ("trio-sglang",)
+        print(
+            "no dynamo-1.6: Dynamo 1.6.1 is not installed (pip install -e '.[bench-dynamo]' and "
+            "pip install --no-deps ai-dynamo==1.6.1, or `nox -s sglang`)",
+            file=sys.stderr,
+        )
+    load_before, started, cpu_started = os.getloadavg()[0], time.perf_counter(), _cpu_seconds()
+    rows = trio.run(run_harness_sweep, repeats, callers)
+    # The host and its scheduler are waited for: their CPU time is in ours now.
+    own_load = (_cpu_seconds() - cpu_started) / (time.perf_counter() - started)
+    load_after = os.getloadavg()[0]
+    rows += trio.run(run_model_sweep, repeats, clock=MockClock(autojump_threshold=0))
+    # No stall figure: one stream at a time has no batch of cancels for a stall to delay.
+    state = judge_machine(load_before, load_after, cores(), own_load, 0.0)
+    checks = check_model(rows, state)
+    print(format_harness(rows, checks))
+    quiet = f"machine quiet (load {state.load:.2f} on {state.cores} cores)"
+    print(f"\n{quiet if state.quiet else state.verdict}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"results": rows, "machine": machine()}, indent=2))
-        print(f"\nJSON: {args.json}")
+        loads = {"before": load_before, "after": load_after, "ours": own_load}
+        report = {
+            "results": rows,
+            "model_check": checks,
+            "machine_state": {"quiet": state.quiet, "load": round(state.load, 2), **loads},
+            "versions": _versions("sglang", "ai-dynamo", "ai-dynamo-runtime"),
+        }
+        args.json.write_text(json.dumps({**report, "machine": machine()}, indent=2))
+        print(f"JSON: {args.json}")
     return 0
+
+
+def _versions(*distributions: str) -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for name in distributions:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time and that of the children it waited for."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 if __name__ == "__main__":

@@ -9,16 +9,29 @@ same ``Scenario`` runs on the SimEngine with ``observe_on_sim``, so the two
 can be compared. A ``DisaggSetup`` runs both as a prefill or a decode
 server's, with a fixed peer script playing the other side of each room.
 ``SGLangHarness.chat`` sends one chat body through trio-sglang's chat route
-and through SGLang's own, and gives back what each fed the scheduler.
+and through SGLang's own, and gives back what each fed the scheduler. With
+``dynamo=True`` a scenario can also run through NVIDIA Dynamo 1.6.1's own
+SGLang handler on the same TokenizerManager (``caller="dynamo-1.6"``), and
+``observe_caller`` runs a scenario through any caller's ``CallerStream``.
 """
 
 from ._chat import ChatPrompts
-from ._harness import SGLangHarness, open_sglang_harness
+from ._harness import Caller, SGLangHarness, open_sglang_harness
 from ._peer import DisaggSetup
-from ._scenarios import CancelPhase, Observation, Scenario, observe_on_sim
+from ._scenarios import (
+    CallerStream,
+    CancelPhase,
+    Observation,
+    Scenario,
+    observe_caller,
+    observe_on_sim,
+    sim_scheduler_events,
+)
 from ._tiny_model import build_tiny_model
 
 __all__ = [
+    "Caller",
+    "CallerStream",
     "CancelPhase",
     "ChatPrompts",
     "DisaggSetup",
@@ -26,6 +39,8 @@ __all__ = [
     "SGLangHarness",
     "Scenario",
     "build_tiny_model",
+    "observe_caller",
     "observe_on_sim",
     "open_sglang_harness",
+    "sim_scheduler_events",
 ]

@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -18,7 +18,10 @@ from ._peer import DisaggSetup
 from ._protocol import ANSWER
 from ._scenarios import Observation, Scenario
 
-__all__ = ["SGLangHarness", "open_sglang_harness"]
+__all__ = ["Caller", "SGLangHarness", "open_sglang_harness"]
+
+#: Who makes a scenario's request in the host (see ``SGLangHarness.run``).
+Caller = Literal["trio-sglang", "dynamo-1.6"]
 
 
 class SGLangHarness:
@@ -30,9 +33,14 @@ class SGLangHarness:
         #: The worker's capabilities over the real TokenizerManager.
         self.capabilities = capabilities
 
-    async def run(self, scenario: Scenario) -> Observation:
-        """Run one scenario in the host process (bound it with a cancel scope)."""
-        await self._send({"op": "run", "scenario": scenario.to_json()})
+    async def run(self, scenario: Scenario, caller: Caller = "trio-sglang") -> Observation:
+        """Run one scenario in the host process (bound it with a cancel scope).
+
+        ``caller`` is who makes the request: trio-sglang's worker over
+        ``SGLangEngine``, or NVIDIA Dynamo 1.6.1's own SGLang handler (a
+        harness opened with ``dynamo=True``), on the same TokenizerManager.
+        """
+        await self._send({"op": "run", "scenario": scenario.to_json(), "caller": caller})
         answer = await self._lines.answer()
         if "error" in answer:
             raise RuntimeError(f"scenario {scenario.name!r} failed in the host: {answer['error']}")
@@ -84,6 +92,7 @@ async def open_sglang_harness(
     token_interval: float = 0.05,
     disagg: DisaggSetup | None = None,
     chat_template: str | None = None,
+    dynamo: bool = False,
     start_timeout: float = 300.0,
 ) -> AsyncIterator[SGLangHarness]:
     """Start the host process (real TokenizerManager, stand-in scheduler) and stop it after.
@@ -95,6 +104,8 @@ async def open_sglang_harness(
     ``disagg`` makes the TokenizerManager and the scheduler a prefill or a
     decode server's, the other side played by its peer script.
     ``chat_template`` is SGLang's ``--chat-template`` (a Jinja file or a name).
+    ``dynamo`` also opens Dynamo 1.6.1's SGLang handler in the host (the
+    ``bench-dynamo`` extra and ``ai-dynamo``), for ``run(..., caller="dynamo-1.6")``.
     """
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(scratch) if workdir is None else workdir
@@ -112,6 +123,7 @@ async def open_sglang_harness(
                 str(token_interval),
                 *(() if disagg is None else ("--disagg", disagg.to_text())),
                 *(() if chat_template is None else ("--chat-template", chat_template)),
+                *(("--dynamo",) if dynamo else ()),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

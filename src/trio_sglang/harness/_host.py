@@ -8,7 +8,9 @@ manager, ``--chat-template`` loaded as SGLang's server loads it), starts the
 stand-in scheduler as its child, opens one worker over ``SGLangEngine``, and
 then answers scenario and chat requests read as JSON lines on stdin with
 JSON lines on stdout (prefixed, so that stray prints cannot be mistaken for
-answers).
+answers). With ``--dynamo`` it also opens NVIDIA Dynamo 1.6.1's own SGLang
+handler over the same TokenizerManager (``_dynamo_handler.py``), and a
+scenario can name it as its caller instead of the worker.
 
 With ``--disagg`` (a ``DisaggSetup`` as JSON) the TokenizerManager is a
 prefill or decode server's (``disaggregation_mode``, the default ``mooncake``
@@ -29,10 +31,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -42,7 +45,17 @@ from .._worker import Worker, open_worker
 from ._chat import observe_chat
 from ._peer import DisaggSetup
 from ._protocol import ANSWER
-from ._scenarios import RidRecorder, Scenario, SchedulerEvent, run_scenario, staged_kind
+from ._scenarios import (
+    RidRecorder,
+    Scenario,
+    SchedulerEvent,
+    observe_caller,
+    run_scenario,
+    staged_kind,
+)
+
+if TYPE_CHECKING:
+    from ._dynamo_handler import DynamoHandler
 from ._tiny_model import build_tiny_model
 
 
@@ -145,7 +158,7 @@ def _answer(data: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-async def _serve(tm: Any, templates: Any, log: Path) -> None:
+async def _serve(tm: Any, templates: Any, log: Path, dynamo: bool) -> None:
     from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 
     engine = SGLangEngine(tokenizer_manager=tm)
@@ -154,7 +167,9 @@ async def _serve(tm: Any, templates: Any, log: Path) -> None:
     sglang_chat = OpenAIServingChat(tm, templates)
     original = tm._tokenize_one_request
 
-    async def run(worker: Worker, command: dict[str, Any]) -> dict[str, Any]:
+    async def run(
+        worker: Worker, handler: DynamoHandler | None, command: dict[str, Any]
+    ) -> dict[str, Any]:
         if command["op"] == "chat":
             mark = partial(_mark, log)
             chat = await observe_chat(worker, engine, sglang_chat, command["body"], mark)
@@ -162,19 +177,41 @@ async def _serve(tm: Any, templates: Any, log: Path) -> None:
         scenario = Scenario.from_json(command["scenario"])
         _slow_tokenizer(tm, original, scenario.tokenize_delay)
         events = partial(_scheduler_events, log, await trio.Path(log).stat())
-        seen = await run_scenario(worker, recorder, scenario, events, clock=time.monotonic)
+        if command.get("caller", "trio-sglang") == "trio-sglang":
+            seen = await run_scenario(worker, recorder, scenario, events, clock=time.monotonic)
+        elif handler is None:
+            raise RuntimeError("the host was started without --dynamo")
+        else:
+            seen = await observe_caller(
+                handler.stream, recorder, scenario, events, clock=time.monotonic
+            )
         return {"observation": seen.to_json()}
 
-    async with open_worker(recorder, policy=AbortPolicy(shutdown_grace=5.0)) as worker:
+    async with (
+        open_worker(recorder, policy=AbortPolicy(shutdown_grace=5.0)) as worker,
+        _maybe_dynamo(tm, dynamo) as handler,
+    ):
         _answer({"ready": True, "capabilities": worker.capabilities()})
         while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
             command = json.loads(line)
             if command["op"] == "quit":
                 break
             try:
-                _answer(await run(worker, command))
+                _answer(await run(worker, handler, command))
             except Exception as exc:
                 _answer({"error": f"{type(exc).__name__}: {exc}"})
+
+
+@asynccontextmanager
+async def _maybe_dynamo(tm: Any, wanted: bool) -> AsyncIterator[DynamoHandler | None]:
+    """Dynamo's handler over ``tm`` if ``wanted`` (inside the worker: it needs the asyncio loop)."""
+    if not wanted:
+        yield None
+        return
+    from ._dynamo_handler import open_dynamo_handler
+
+    async with open_dynamo_handler(tm) as handler:
+        yield handler
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-interval", type=float, default=0.05)
     parser.add_argument("--disagg", type=DisaggSetup.from_text, help="a DisaggSetup as JSON")
     parser.add_argument("--chat-template", help="SGLang's --chat-template: a file or a name")
+    parser.add_argument(
+        "--dynamo", action="store_true", help="also open Dynamo 1.6.1's SGLang handler (ai-dynamo)"
+    )
     args = parser.parse_args(argv)
     disagg: DisaggSetup | None = args.disagg
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -214,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         _wait_until_ready(scheduler, log)
-        trio.run(_serve, tm, templates, log)
+        trio.run(_serve, tm, templates, log, args.dynamo)
     finally:
         scheduler.terminate()
         try:

@@ -8,12 +8,16 @@ and what the caller saw. The SimEngine reports the scheduler's side from its
 trace; the real TokenizerManager's stand-in scheduler from its log. In a
 prefill or decode role (``DisaggSetup``) the scheduler's side also shows the
 stages a request went through and the stage an abort took it out of.
+
+The caller's side is a ``CallerStream``, so one scenario also drives other
+callers over the same engine: the benchmark's baselines (NVIDIA Dynamo's own
+SGLang handler, and a model of it on the SimEngine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -28,17 +32,27 @@ from ..sim import SimEngine, SimKVRooms
 from ._peer import DisaggSetup, play_peer
 
 __all__ = [
+    "CallerStream",
     "CancelPhase",
     "Observation",
     "RidRecorder",
     "Scenario",
     "SchedulerEvent",
+    "observe_caller",
     "run_scenario",
+    "sim_scheduler_events",
     "staged_kind",
 ]
 
+#: When the caller cancels; ``consumer_leaves``: it leaves the stream after two
+#: chunks without a cancel signal (an error, a closed connection).
 CancelPhase = Literal[
-    "before_registration", "tokenizing", "dispatched", "mid_stream", "after_finish"
+    "before_registration",
+    "tokenizing",
+    "dispatched",
+    "mid_stream",
+    "consumer_leaves",
+    "after_finish",
 ]
 RawTrap = Literal["abort_unknown_rid", "abort_twice", "abort_while_tokenizing", "no_bootstrap_room"]
 #: What a scheduler logs: it received a request or an abort, applied or lost an abort;
@@ -72,6 +86,10 @@ class Scenario:
     #: a disaggregated scheduler are invisible from the tokenizer side, so a
     #: cancel in one of them is timed from dispatch, by the known stage timing.
     cancel_delay: float = 0.0
+    #: At most this many seconds, after the caller is done, to wait for the
+    #: engine to hold nothing before the settle: a request that nobody stopped
+    #: is then observed to its end (0: do not wait).
+    wait_idle: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +179,30 @@ class RidRecorder:
         return self.engine.live_requests()
 
 
+@dataclass(frozen=True, eq=False)
+class CallerStream:
+    """One request's stream as a scenario's caller holds it, whoever serves it.
+
+    ``chunks`` come in ``output`` mode; ``cancel`` is the caller's cancel
+    signal (a kill, a stop, a disconnect callback); ``rid`` gives the engine
+    rid, waiting if the server has not picked it yet (Dynamo's handler mints
+    its own in its first step). Leaving the block that gave the stream early,
+    without ``cancel``, is a caller that leaves without a signal.
+    """
+
+    chunks: AsyncIterator[dict[str, Any]]
+    output: OutputMode
+    cancel: Callable[[], None]
+    rid: Callable[[], Awaitable[str]]
+
+
+#: Opens one caller stream for a request, for the life of the block.
+OpenCaller = Callable[[Mapping[str, Any]], AbstractAsyncContextManager[CallerStream]]
+
+#: How often the idle wait (``Scenario.wait_idle``) looks at the engine.
+_IDLE_POLL = 0.005
+
+
 async def run_scenario(
     worker: Worker,
     recorder: RidRecorder,
@@ -176,19 +218,57 @@ async def run_scenario(
     observed; ``clock`` must be the clock the scheduler's events are stamped
     with.
     """
+    if scenario.trap is None:
+        open_stream = partial(_worker_stream, worker, recorder, scenario.output)
+        return await observe_caller(
+            open_stream, recorder, scenario, scheduler_events, settle=settle, clock=clock
+        )
     seen = Observation()
-    cancelled_at: float | None = None
-    if scenario.trap is not None:
-        await _run_trap(recorder.engine, scenario, seen)
-    else:
-        cancelled_at = await _run_request(worker, recorder, scenario, seen, clock)
+    await _run_trap(recorder.engine, scenario, seen)
+    await _settle(recorder, scenario, settle)
+    _observe_scheduler(seen, scheduler_events(), recorder.live_requests(), None)
+    return seen
+
+
+async def observe_caller(
+    open_stream: OpenCaller,
+    engine: Engine,
+    scenario: Scenario,
+    scheduler_events: Callable[[], list[SchedulerEvent]],
+    *,
+    settle: float = 0.3,
+    clock: Callable[[], float] = trio.current_time,
+) -> Observation:
+    """Run ``scenario``'s request through the caller ``open_stream`` gives, on ``engine``.
+
+    ``engine`` is where the request's phase is read (to time a cancel) and
+    what it still holds is counted; ``settle`` and ``clock`` as for
+    ``run_scenario``.
+    """
+    seen = Observation()
+    cancelled_at = await _run_request(open_stream, engine, scenario, seen, clock)
+    await _settle(engine, scenario, settle)
+    _observe_scheduler(seen, scheduler_events(), engine.live_requests(), cancelled_at)
+    return seen
+
+
+async def _settle(engine: Engine, scenario: Scenario, settle: float) -> None:
+    """Bounded: the idle wait, then the settle. The engine announces nothing when it
+    holds nothing any more, so the idle wait looks at it every ``_IDLE_POLL``."""
+    if scenario.wait_idle > 0:
+        with trio.move_on_after(scenario.wait_idle):
+            while engine.live_requests():  # noqa: ASYNC110 (see the docstring)
+                await trio.sleep(_IDLE_POLL)
     await trio.sleep(settle)
-    events = scheduler_events()
+
+
+def _observe_scheduler(
+    seen: Observation, events: list[SchedulerEvent], live: int, cancelled_at: float | None
+) -> None:
     seen.scheduler = normalise(events)
-    seen.registered_after = recorder.live_requests()
+    seen.registered_after = live
     if cancelled_at is not None:
         _time_the_cancel(seen, events, cancelled_at)
-    return seen
 
 
 def _time_the_cancel(seen: Observation, events: list[SchedulerEvent], cancelled_at: float) -> None:
@@ -204,41 +284,58 @@ def _time_the_cancel(seen: Observation, events: list[SchedulerEvent], cancelled_
         seen.abort_delay = applied[0] - max(cancelled_at, dispatched)
 
 
+@asynccontextmanager
+async def _worker_stream(
+    worker: Worker, recorder: RidRecorder, output: OutputMode, request: Mapping[str, Any]
+) -> AsyncIterator[CallerStream]:
+    """trio-sglang's caller: ``worker.generate``, cancelled with ``ctx.kill()``."""
+    ctx = RequestContext("conformance-ctx")
+    async with worker.generate(request, ctx, output=output) as chunks:
+        rid = recorder.last_rid
+
+        async def engine_rid() -> str:
+            assert isinstance(rid, str), "a single request has one rid"
+            await trio.lowlevel.checkpoint()
+            return rid
+
+        yield CallerStream(chunks, output, ctx.kill, engine_rid)
+
+
 async def _run_request(
-    worker: Worker,
-    recorder: RidRecorder,
+    open_stream: OpenCaller,
+    engine: Engine,
     scenario: Scenario,
     seen: Observation,
     clock: Callable[[], float],
 ) -> float | None:
-    """Returns when the cancel happened (``clock``), if it did."""
-    ctx = RequestContext("conformance-ctx")
+    """Returns when the cancel happened (``clock``), or the caller left, if either did."""
     cancelled_at: float | None = None
-
-    def cancel() -> None:
-        nonlocal cancelled_at
-        cancelled_at = clock()
-        ctx.kill()
-
     async with trio.open_nursery() as nursery:
-        async with worker.generate(scenario.request, ctx, output=scenario.output) as chunks:
+        async with open_stream(scenario.request) as stream:
+
+            def cancel() -> None:
+                nonlocal cancelled_at
+                cancelled_at = clock()
+                stream.cancel()
+
             if scenario.cancel == "before_registration":
                 cancel()
             elif scenario.cancel in ("tokenizing", "dispatched"):
-                rid = recorder.last_rid
-                assert isinstance(rid, str)
                 target = (
                     RequestPhase.REGISTERED
                     if scenario.cancel == "tokenizing"
                     else RequestPhase.DISPATCHED
                 )
                 nursery.start_soon(
-                    _at_phase, recorder.engine, rid, target, scenario.cancel_delay, cancel
+                    _at_phase, engine, stream.rid, target, scenario.cancel_delay, cancel
                 )
-            async for chunk in chunks:
-                _note_chunk(seen, chunk, scenario.output)
-                if scenario.cancel == "mid_stream" and seen.chunks == 2:
+            async for chunk in stream.chunks:
+                _note_chunk(seen, chunk, stream.output)
+                if seen.chunks == 2 and scenario.cancel == "mid_stream":
                     cancel()
+                elif seen.chunks == 2 and scenario.cancel == "consumer_leaves":
+                    cancelled_at = clock()
+                    break  # no signal: the caller just goes
             if scenario.cancel == "after_finish":
                 cancel()
         if cancelled_at is not None:
@@ -248,10 +345,14 @@ async def _run_request(
 
 
 async def _at_phase(
-    engine: Engine, rid: str, target: RequestPhase, delay: float, action: Callable[[], None]
+    engine: Engine,
+    rid: Callable[[], Awaitable[str]],
+    target: RequestPhase,
+    delay: float,
+    action: Callable[[], None],
 ) -> None:
-    """Run ``action`` ``delay`` seconds after ``rid`` reaches ``target`` (bounded)."""
-    await _reach_phase(engine, rid, target)
+    """Run ``action`` ``delay`` seconds after the request reaches ``target`` (bounded)."""
+    await _reach_phase(engine, await rid(), target)
     await trio.sleep(delay)
     action()
 
@@ -358,24 +459,27 @@ async def observe_on_sim(
         disagg_timing=None if disagg is None else disagg.timing,
     )
 
-    def events() -> list[SchedulerEvent]:
-        return [
-            (
-                e.time,
-                staged_kind(_SIM_TO_SCHEDULER[e.kind], e.detail if e.kind in _SIM_STAGED else None),
-                e.rid,
-            )
-            for e in engine.trace
-            if e.kind in _SIM_TO_SCHEDULER
-        ]
-
     async with trio.open_nursery() as peers:
         on_generate = None if disagg is None else partial(_start_peer, peers, disagg, engine, rooms)
         recorder = RidRecorder(engine, on_generate)
         async with open_worker(recorder) as worker:
+            events = partial(sim_scheduler_events, engine)
             seen = await run_scenario(worker, recorder, scenario, events)
         peers.cancel_scope.cancel()  # a peer still waiting for its request
     return seen
+
+
+def sim_scheduler_events(engine: SimEngine) -> list[SchedulerEvent]:
+    """The SimEngine's trace as the stand-in scheduler would have logged it."""
+    return [
+        (
+            e.time,
+            staged_kind(_SIM_TO_SCHEDULER[e.kind], e.detail if e.kind in _SIM_STAGED else None),
+            e.rid,
+        )
+        for e in engine.trace
+        if e.kind in _SIM_TO_SCHEDULER
+    ]
 
 
 def _start_peer(

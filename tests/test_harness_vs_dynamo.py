@@ -1,0 +1,96 @@
+"""The harness benchmark against NVIDIA Dynamo 1.6.1's own SGLang handler, in its quick form.
+
+``cancel_latency.py --engine sglang-harness --quick`` runs trio-sglang's
+worker and Dynamo's ``DecodeWorkerHandler`` (from the ``ai-dynamo`` wheel)
+in turn on the real TokenizerManager and the stand-in scheduler, then the
+SimEngine's ``poll-then-abort`` model through the same scenarios. Runs in
+``nox -s sglang`` (marker ``sglang``), which installs both; real time, so it
+asserts counts only, never a latency: the phases' margins are what make the
+counts certain (a 0.5 s tokenization against Dynamo's 0.25 s dispatch wait).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
+pytest.importorskip("dynamo.sglang", reason="needs ai-dynamo 1.6.1: run `nox -s sglang`")
+
+pytestmark = pytest.mark.sglang
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+#: Phases in which the request has not reached the scheduler when the cancel comes.
+BEFORE_DISPATCH = ("before_registration", "tokenizing", "slow_tokenization")
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import cancel_latency
+
+        yield cancel_latency
+
+
+@pytest.fixture(scope="module")
+def run(bench: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One quick run (about a minute), shared by the tests below."""
+    out = tmp_path_factory.mktemp("harness") / "harness.json"
+    assert bench.main(["--engine", "sglang-harness", "--quick", "--json", str(out)]) == 0
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def rows(run: dict[str, Any], approach: str) -> dict[str, dict[str, Any]]:
+    return {row["phase"]: row for row in run["results"] if row["approach"] == approach}
+
+
+def test_every_approach_ran_every_phase(bench: ModuleType, run: dict[str, Any]) -> None:
+    from _harness_sweep import HARNESS_PHASES
+
+    for approach in ("trio-sglang", "dynamo-1.6", "poll-then-abort"):
+        cells = rows(run, approach)
+        assert set(cells) == set(HARNESS_PHASES), approach
+        assert all(cell["cancels"] == 5 for cell in cells.values()), approach
+
+
+def test_trio_sglang_loses_nothing_and_sends_nothing_it_cancelled(run: dict[str, Any]) -> None:
+    for phase, cell in rows(run, "trio-sglang").items():
+        assert (cell["aborts_lost"], cell["not_stopped"], cell["leaked"]) == (0, 0, 0), phase
+        assert cell["wasted_tokens"]["max"] == 0, phase
+        if phase in BEFORE_DISPATCH:
+            assert cell["sent_to_scheduler"] == 0, phase  # released before dispatch
+
+
+def test_dynamo_loses_every_abort_in_a_slow_tokenization(run: dict[str, Any]) -> None:
+    from _harness_sweep import MAX_NEW_TOKENS
+
+    dynamo = rows(run, "dynamo-1.6")
+    slow = dynamo["slow_tokenization"]
+    # The abort goes out at the end of the 0.25 s dispatch wait, before dispatch: lost,
+    # and the request decodes to its end for nobody.
+    assert slow["aborts_lost"] == slow["not_stopped"] == slow["cancels"]
+    assert slow["wasted_tokens"]["p50"] == slow["wasted_tokens"]["max"] == MAX_NEW_TOKENS
+    for phase, cell in dynamo.items():
+        if phase in BEFORE_DISPATCH:
+            # What was cancelled before it reached the scheduler is sent there all the same.
+            assert cell["sent_to_scheduler"] == cell["cancels"], phase
+        if phase != "slow_tokenization":
+            assert (cell["aborts_lost"], cell["not_stopped"]) == (0, 0), phase
+        assert cell["leaked"] == 0, phase  # every request ended, stopped or not
+
+
+def test_the_sim_model_agrees_with_dynamos_code_in_every_count(run: dict[str, Any]) -> None:
+    from _harness_sweep import COUNTS
+
+    model, real = rows(run, "poll-then-abort"), rows(run, "dynamo-1.6")
+    for phase, cell in real.items():
+        assert {key: model[phase][key] for key in COUNTS} == {key: cell[key] for key in COUNTS}
+        assert model[phase]["wasted_tokens"]["p50"] == cell["wasted_tokens"]["p50"], phase
+    assert {check["phase"] for check in run["model_check"]} == set(real)
