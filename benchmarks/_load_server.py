@@ -11,6 +11,7 @@ reaps it.
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -124,10 +125,20 @@ class ServerProcess:
 
 @asynccontextmanager
 async def open_server(
-    args: Sequence[str], *, start_timeout: float, http_timeout: float
+    args: Sequence[str],
+    *,
+    start_timeout: float,
+    http_timeout: float,
+    command: Sequence[str] | None = None,
 ) -> AsyncIterator[ServerProcess]:
-    """Start ``trio-sglang serve --port 0 ARGS``; yield it once ``/health`` answers 200."""
-    command = [sys.executable, "-m", "trio_sglang", "serve", "--port", "0", *args]
+    """Start ``trio-sglang serve --port 0 ARGS``; yield it once ``/health`` answers 200.
+
+    ``command``: another server to run instead (then ``ARGS`` follow it), one that
+    prints ``serving NAME on URL`` and answers ``/health`` as ``serve`` does.
+    """
+    if command is None:
+        command = [sys.executable, "-m", "trio_sglang", "serve", "--port", "0"]
+    command = [*command, *args]
     log = ServerLog()
     async with trio.open_nursery() as nursery:
         process: trio.Process = await nursery.start(
@@ -144,7 +155,7 @@ async def open_server(
         nursery.start_soon(log.drain, process.stdout)
         try:
             with trio.fail_after(start_timeout):
-                url = await _healthy(log, http_timeout)
+                url = await _healthy(log, http_timeout, shlex.join(command))
             async with http_client(url, http_timeout) as admin:
                 yield ServerProcess(process, url, log, admin)
         finally:
@@ -152,12 +163,12 @@ async def open_server(
                 nursery.cancel_scope.cancel()
 
 
-async def _healthy(log: ServerLog, http_timeout: float) -> str:
+async def _healthy(log: ServerLog, http_timeout: float, name: str) -> str:
     """The server's URL, once it said where it listens and ``/health`` answers 200."""
     await log.ready.wait()
     if log.url is None:
         output = "\n".join(log.notable)
-        raise RuntimeError(f"trio-sglang serve ended before it served:\n{output}")
+        raise RuntimeError(f"{name} ended before it served:\n{output}")
     async with http_client(log.url, http_timeout) as probe:
         while True:
             if (await probe.get("/health")).status_code == 200:

@@ -105,6 +105,46 @@ async def test_the_host_header_must_name_an_allowed_host(start_server: StartServ
         assert await refused(server, "host_not_allowed") == 10
 
 
+async def test_a_request_refused_unread_leaves_the_connection_to_the_next_one(
+    start_server: StartServer,
+) -> None:
+    """Refused before its body is read, a request still ends its HTTP/1.1 exchange.
+
+    Each request's headers go first and its body a moment later, as httpx
+    sends them. The body is read and dropped before the refusal, so the next
+    request on the same connection is answered too. Answered with its body
+    still unread, the exchange was not over, hypercorn closed the connection,
+    and the next request was lost.
+    """
+    server = await start_server(limits=ServerLimits(allowed_hosts=("127.0.0.1",)))
+    body = json.dumps(GENERATE).encode()
+    refused = [
+        (b"/generate", b"host: evil.example\r\ncontent-type: application/json"),
+        (b"/generate", b"host: 127.0.0.1\r\ncontent-type: text/plain"),
+        (b"/nowhere", b"host: 127.0.0.1\r\ncontent-type: application/json"),
+        (b"/health", b"host: 127.0.0.1"),  # GET only
+    ]
+    answers = b""
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        for path, head in refused:
+            await stream.send_all(b"POST %s HTTP/1.1\r\n%s\r\n" % (path, head))
+            await stream.send_all(b"content-length: %d\r\n\r\n" % len(body))
+            with trio.move_on_after(0.2):  # time to answer before the body, if it would
+                answers += await stream.receive_some()
+            await stream.send_all(body)
+        await stream.send_all(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        with trio.fail_after(10):
+            while answers.count(b"HTTP/1.1 ") < 5 or not answers.endswith(b"\r\n\r\n"):
+                received = await stream.receive_some()
+                assert received, f"the server closed the connection: {answers!r}"
+                answers += received
+    lines = answers.split(b"\r\n")
+    statuses = [int(line.split()[1]) for line in lines if line.startswith(b"HTTP/1.1 ")]
+    assert statuses == [400, 415, 404, 405, 200]
+    assert b"connection: close" not in answers.lower()
+
+
 @pytest.mark.parametrize(
     ("text", "address"),
     [

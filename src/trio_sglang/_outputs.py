@@ -62,8 +62,13 @@ def format_chunk(output: OutputMode, out: dict[str, Any], ids: PublicIds) -> dic
         engine_id = meta.get("id")
         if not isinstance(engine_id, str) or not engine_id:
             return {**out, "meta_info": {**meta, "id": public}}
-        scrubbed = {key: _replace_id(value, engine_id, public) for key, value in meta.items()}
-        return {**out, "meta_info": {**scrubbed, "id": public}}
+        # Counts and flags hold no id: only text and containers are looked into.
+        scrubbed = {
+            key: value if type(value) in _NO_TEXT else _replace_id(value, engine_id, public)
+            for key, value in meta.items()
+        }
+        scrubbed["id"] = public
+        return {**out, "meta_info": scrubbed}
     finish_reason = _finish_reason(meta.get("finish_reason"))
     if output == "tokens":
         return {
@@ -76,6 +81,10 @@ def format_chunk(output: OutputMode, out: dict[str, Any], ids: PublicIds) -> dic
         "object": "text_completion",
         "choices": [{"index": index, "text": out.get("text", ""), "finish_reason": finish_reason}],
     }
+
+
+#: The types of ``meta_info`` values that cannot hold an id (the hot path skips them).
+_NO_TEXT = frozenset({int, float, bool, type(None)})
 
 
 def _replace_id(value: object, engine_id: str, public: str) -> Any:

@@ -35,6 +35,7 @@ from ._asgi import (
     Scope,
     Send,
     read_json_within,
+    send_early,
     send_json,
     send_sse,
     send_text,
@@ -154,16 +155,15 @@ class ServerApp:
             if rooms is not None and method == "POST":  # a decode peer's events: JSON only
                 self._admission.check_content_type(scope)
         except HTTPError as exc:
-            await send_json(send, exc.status, exc.body(), exc.headers)
+            await self._send_early(receive, send, exc)
             return
         allowed = ("POST",) if path in posts or path in actions else ("GET", "HEAD")
         if rooms is not None:
             await rooms(scope, receive, send)
         elif path not in posts and path not in actions and path not in gets:
-            await send_json(send, 404, error_body(f"no route {path}"))
+            await self._send_early(receive, send, HTTPError(404, f"no route {path}"))
         elif method not in allowed:
-            error = method_not_allowed(method, path, allowed)
-            await send_json(send, error.status, error.body(), error.headers)
+            await self._send_early(receive, send, method_not_allowed(method, path, allowed))
         elif path in posts:
             await self._generate(path, posts[path], scope, receive, send)
         elif path in actions:
@@ -245,6 +245,10 @@ class ServerApp:
         try:
             # JSON only, as for generation: a web page must not stop anyone's requests.
             self._admission.check_content_type(scope)
+        except HTTPError as exc:
+            await self._send_early(receive, send, exc)
+            return
+        try:
             target = abort_target(await self._read_body(scope, receive))
         except ClientGone:
             return
@@ -266,6 +270,11 @@ class ServerApp:
     ) -> None:
         try:
             self._admission.check_content_type(scope)
+        except HTTPError as exc:
+            self._count(endpoint, "rejected")
+            await self._send_early(receive, send, exc)
+            return
+        try:
             body = await self._read_body(scope, receive)
             plan = parse(body)
             plan.cache_report = self.enable_cache_report
@@ -294,6 +303,11 @@ class ServerApp:
         if outcome == "cancelled":
             phase = "mid_stream" if plan.children else "before_first_token"
         self._count(endpoint, outcome, phase=phase)
+
+    async def _send_early(self, receive: Receive, send: Send, error: HTTPError) -> None:
+        """``error``, answered before the body was read (see ``send_early``)."""
+        seconds = self.limits.request_read_timeout
+        await send_early(receive, send, seconds, error.status, error.body(), error.headers)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         limits = self.limits
@@ -399,11 +413,7 @@ class ServerApp:
 
     @staticmethod
     def _render(plan: Plan, held: list[dict[str, Any]]) -> bytes:
-        events: list[bytes] = []
-        for out in held:
-            index, _ = plan.add(out)
-            events.extend(sse_event(event) for event in plan.events(index, out))
-        return b"".join(events)
+        return b"".join([plan.sse(plan.add(out)[0], out) for out in held])
 
     @staticmethod
     async def _read_engine(chunks: ResponseStream, outbox: Outbox, ctx: RequestContext) -> None:

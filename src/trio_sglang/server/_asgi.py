@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 import trio
 
 from ._errors import HTTPError
+from ._json import dumps
 
 __all__ = [
     "DRAIN_BYTES",
@@ -23,6 +24,7 @@ __all__ = [
     "send_json",
     "send_sse",
     "send_text",
+    "sse_data",
     "sse_event",
     "start_sse",
 ]
@@ -106,6 +108,38 @@ async def read_json_within(
     )
 
 
+async def send_early(
+    receive: Receive,
+    send: Send,
+    seconds: float,
+    status: int,
+    data: object,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    """An answer given before the request's body was read (a refusal, a wrong route).
+
+    The body is read first and dropped, up to ``DRAIN_BYTES`` and within
+    ``seconds``: answered with it unread, the HTTP/1.1 exchange is not over,
+    so hypercorn closes the connection under a client that sent its next
+    request already, and that request is lost with no answer. A body past
+    those bounds is left, and the answer says ``connection: close``.
+    """
+    drained = False
+    with trio.move_on_after(seconds):
+        read = 0
+        while read <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # nobody to answer
+            read += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                drained = True
+                break
+    if not drained:
+        headers = [*headers, (b"connection", b"close")]
+    await send_json(send, status, data, headers)
+
+
 def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", content_type), (b"cache-control", b"no-cache")]
 
@@ -113,7 +147,7 @@ def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
 async def send_json(
     send: Send, status: int, data: object, headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
-    body = json.dumps(data).encode()
+    body = dumps(data).encode()
     await send(
         {
             "type": "http.response.start",
@@ -136,7 +170,12 @@ async def start_sse(send: Send) -> None:
 
 
 def sse_event(data: object) -> bytes:
-    return b"data: " + json.dumps(data).encode() + b"\n\n"
+    return sse_data(dumps(data))
+
+
+def sse_data(json_text: str) -> bytes:
+    """One SSE event of already encoded JSON."""
+    return b"data: " + json_text.encode() + b"\n\n"
 
 
 async def send_sse(send: Send, payload: bytes, *, more: bool = True) -> None:

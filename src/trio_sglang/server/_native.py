@@ -8,6 +8,7 @@ from typing import Any
 
 from .._fields import SGLANG_FIELDS
 from .._values import shown
+from ._asgi import sse_event
 from ._errors import HTTPError
 from ._plan import Plan
 
@@ -57,8 +58,8 @@ class NativePlan(Plan):
         )
         return cls(native, stream, n, batch or n > 1)
 
-    def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
-        return [out]
+    def sse(self, index: int, out: dict[str, Any]) -> bytes:
+        return sse_event(out)
 
     def body(self) -> object:
         results = [

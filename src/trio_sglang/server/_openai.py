@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from .._chat import plain_transcript
 from .._engine import ChatTemplating
 from .._values import is_token_list
+from ._asgi import sse_data
 from ._errors import HTTPError
+from ._json import Template
 from ._openai_fields import Route, check_sampling, native_fields
 from ._plan import Plan
 
@@ -89,7 +92,7 @@ class _OpenAIPlan(Plan):
         check_sampling(self.native["sampling_params"], self.names)
         super().check(features)
 
-    def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _envelope(self, name: str, choices: object) -> dict[str, Any]:
         return {
             "id": self.public_id,
             "object": name,
@@ -98,16 +101,23 @@ class _OpenAIPlan(Plan):
             "choices": choices,
         }
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        """A streamed chunk of one choice; with ``continuous_usage_stats``, its usage so far.
+    @cached_property
+    def _chunk(self) -> Template:
+        """A stream chunk's id, object, created and model never change: encoded once."""
+        shape = self._envelope(self.chunk_name, Template.HOLE)
+        if self.continuous_usage:
+            shape["usage"] = Template.HOLE
+        return Template(shape)
+
+    def _chunk_event(self, choice: dict[str, Any]) -> bytes:
+        """The SSE event of one choice; with ``continuous_usage_stats``, its usage so far.
 
         As SGLang's: every chunk that carries a choice carries that choice's
         own usage (its prompt, its completion so far), not the request's.
         """
-        chunk = self._envelope(self.chunk_name, [choice])
         if self.continuous_usage:
-            chunk["usage"] = self.child_usage(choice["index"])
-        return chunk
+            return sse_data(self._chunk.render([choice], self.child_usage(choice["index"])))
+        return sse_data(self._chunk.render([choice]))
 
     def closing_events(self) -> list[dict[str, Any]]:
         if not self.include_usage:
@@ -141,9 +151,9 @@ class CompletionPlan(_OpenAIPlan):
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
+    def sse(self, index: int, out: dict[str, Any]) -> bytes:
         reason = self.children[index].finish_reason
-        return [self._chunk(self._choice(index, out.get("text", ""), reason))]
+        return self._chunk_event(self._choice(index, out.get("text", ""), reason))
 
     def body(self) -> object:
         choices = [
@@ -187,7 +197,7 @@ class ChatPlan(_OpenAIPlan):
         super().__init__(native, names, model, flags)
         self._spoken: set[int] = set()  # children whose first delta (with the role) went out
 
-    def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
+    def sse(self, index: int, out: dict[str, Any]) -> bytes:
         child = self.children[index]
         delta: dict[str, Any] = {"content": out.get("text", "")}
         if index not in self._spoken:
@@ -199,7 +209,7 @@ class ChatPlan(_OpenAIPlan):
             "logprobs": None,
             "finish_reason": child.finish_reason,
         }
-        return [self._chunk(choice)]
+        return self._chunk_event(choice)
 
     def body(self) -> object:
         choices = [

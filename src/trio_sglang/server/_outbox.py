@@ -31,7 +31,8 @@ class Outbox:
         self._closed = False
         #: What ended the reading early, for the sender to raise once it has sent the rest.
         self.error: Exception | None = None
-        self._wakeup: trio.Event | None = None
+        #: Where the sender waits for something to take (one lot for the response's life).
+        self._wakeup = trio.lowlevel.ParkingLot()
         #: Takes so far, and at the heartbeat's last look: equal means the sender was idle.
         self._takes = 0
         self._takes_seen = 0
@@ -58,8 +59,7 @@ class Outbox:
         ``None`` when the heartbeat found the response idle: time for a sign of life.
         """
         while not self._held and not self._closed and not self._beat_due:
-            self._wakeup = trio.Event()
-            await self._wakeup.wait()
+            await self._wakeup.park()
         self._takes += 1
         self._beat_due = False  # whatever goes out now is the sign of life
         if not self._held and not self._closed:
@@ -74,9 +74,7 @@ class Outbox:
         self._takes_seen = self._takes
 
     def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
+        self._wakeup.unpark_all()
 
 
 class Heartbeats:

@@ -24,7 +24,10 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 
 @dataclass
 class ChildResult:
-    """One child's output so far (SGLang streams increments; these are totals)."""
+    """One child's output so far: its newest state; for a body, also its text and ids in all.
+
+    SGLang streams increments; a streamed response sends each as it comes.
+    """
 
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -37,7 +40,7 @@ class Plan(ABC):
 
     ``native`` is the SGLang body for ``worker.generate(..., output="native")``;
     ``add`` sees every output, streaming or not; subclasses turn outputs into
-    SSE events (``events``, ``closing_events``) or a single body (``body``).
+    SSE events (``sse``, ``closing_events``) or a single body (``body``).
     """
 
     #: The native field (top-level, or ``sampling_params.<name>``) -> the client's name for it.
@@ -66,10 +69,18 @@ class Plan(ABC):
             raise HTTPError(400, unsupported(name, features), param=name) from None
 
     def add(self, out: dict[str, Any]) -> tuple[int, ChildResult]:
+        """Take one output into its child's result: the newest state, and for a body, the totals.
+
+        A streamed response sends its text and token ids as they come and never
+        needs them again: only a body (``stream`` false) adds them up.
+        """
         index = out.get("index", 0)
-        child = self.children.setdefault(index, ChildResult())
-        child.text += out.get("text", "")
-        child.output_ids.extend(out.get("output_ids", ()))
+        child = self.children.get(index)
+        if child is None:
+            child = self.children[index] = ChildResult()
+        if not self.stream:
+            child.text += out.get("text", "")
+            child.output_ids.extend(out.get("output_ids", ()))
         meta = out.get("meta_info", {})
         child.meta = meta
         reason = meta.get("finish_reason")
@@ -143,8 +154,8 @@ class Plan(ABC):
         return usage
 
     @abstractmethod
-    def events(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
-        """SSE payloads for one output (already added)."""
+    def sse(self, index: int, out: dict[str, Any]) -> bytes:
+        """The SSE event (or events) of one output, already added."""
 
     def closing_events(self) -> list[dict[str, Any]]:
         """SSE payloads after the last output, before ``[DONE]``."""

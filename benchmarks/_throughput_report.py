@@ -1,0 +1,421 @@
+"""What the serving benchmark measured, and what it says: cells, targets, tables, JSON.
+
+A cell is one server read by the clients over one window at one stream count;
+a row puts ``serve``'s cells at a stream count beside the floor's, every round
+added up (CPU seconds over chunks, never an average of per-round ratios).
+
+The ratio serve/floor is measured in the same run, on the same machine, with
+the same bytes on the wire, so it is judged on every run. The absolute CPU per
+chunk is judged only on a quiet machine (``_verdict.judge_machine``; this
+benchmark records no event-loop stalls, so its rule is the load average alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from _report import markdown_table, table, wrap
+from _sse_client import Reading
+from _verdict import MachineState, Target, judge_machine
+
+__all__ = ["SERVERS", "Cell", "Row", "ThroughputReport"]
+
+Server = Literal["serve", "floor", "sglang"]
+#: Always measured; ``sglang`` (SGLang's own server) only where SGLang is installed.
+SERVERS: tuple[Server, ...] = ("serve", "floor")
+
+#: The targets (issue 16): at this many streams, serve's CPU per chunk.
+TARGET_STREAMS = 100
+TARGET_US = 35.0
+TARGET_RATIO = 1.5
+#: The clients may use at most this much of a core, or they, not the server, set the pace.
+CLIENT_CORES_AT_MOST = 0.5
+#: The SGLang release whose own server ``--sglang`` runs (the ``sglang`` extra's).
+SGLANG_VERSION = "0.5.23"
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    server: Server
+    streams: int
+    round: int
+    reading: Reading
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One server's cells at one stream count, added up."""
+
+    chunks: int
+    heartbeats: int
+    window_s: float
+    server_cpu_s: float
+    client_cpu_s: float
+    tokens_completed: int
+    chunks_completed: int
+    failures: int
+    late_streams: int
+
+    @classmethod
+    def of(cls, cells: Sequence[Cell]) -> Side:
+        readings = [cell.reading for cell in cells]
+        return cls(
+            chunks=sum(r.chunks for r in readings),
+            heartbeats=sum(r.heartbeats for r in readings),
+            window_s=sum(r.window_s for r in readings),
+            server_cpu_s=sum(r.server_cpu_s for r in readings),
+            client_cpu_s=sum(r.client_cpu_s for r in readings),
+            tokens_completed=sum(r.tokens_completed for r in readings),
+            chunks_completed=sum(r.chunks_completed for r in readings),
+            failures=sum(sum(r.failures.values()) for r in readings),
+            late_streams=sum(r.late_streams for r in readings),
+        )
+
+    @property
+    def us_per_chunk(self) -> float | None:
+        return 1e6 * self.server_cpu_s / self.chunks if self.chunks else None
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.window_s if self.window_s else 0.0
+
+    @property
+    def server_cores(self) -> float:
+        return self.server_cpu_s / self.window_s if self.window_s else 0.0
+
+    @property
+    def client_cores(self) -> float:
+        return self.client_cpu_s / self.window_s if self.window_s else 0.0
+
+    @property
+    def client_us_per_chunk(self) -> float | None:
+        return 1e6 * self.client_cpu_s / self.chunks if self.chunks else None
+
+    @property
+    def tokens_per_chunk(self) -> float | None:
+        """Over the responses read to their end: above 1, the server coalesced a backlog."""
+        return self.tokens_completed / self.chunks_completed if self.chunks_completed else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "us_per_chunk": self.us_per_chunk,
+            "chunks_per_s": self.chunks_per_s,
+            "server_cores": self.server_cores,
+            "client_cores": self.client_cores,
+            "client_us_per_chunk": self.client_us_per_chunk,
+            "tokens_per_chunk": self.tokens_per_chunk,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    streams: int
+    token_interval: float
+    serve: Side
+    floor: Side
+    #: SGLang's own server, when the run measured it.
+    sglang: Side | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return _ratio_of(self.serve, self.floor)
+
+    @property
+    def sides(self) -> list[Side]:
+        return [self.serve, self.floor, *([] if self.sglang is None else [self.sglang])]
+
+    def to_json(self) -> dict[str, Any]:
+        sglang = {}
+        if self.sglang is not None:
+            sglang = {
+                "sglang": self.sglang.to_json(),
+                "ratio_sglang_over_floor": _ratio_of(self.sglang, self.floor),
+                "ratio_serve_over_sglang": _ratio_of(self.serve, self.sglang),
+            }
+        return {
+            "streams": self.streams,
+            "token_interval_s": self.token_interval,
+            "serve": self.serve.to_json(),
+            "floor": self.floor.to_json(),
+            "ratio_serve_over_floor": self.ratio,
+            **sglang,
+        }
+
+
+def _ratio_of(side: Side, other: Side) -> float | None:
+    """``side``'s CPU per chunk over ``other``'s (None if either read nothing)."""
+    ours, theirs = side.us_per_chunk, other.us_per_chunk
+    return None if ours is None or not theirs else ours / theirs
+
+
+@dataclass(slots=True)
+class ThroughputReport:
+    config: dict[str, Any]
+    cells: list[Cell] = field(default_factory=list)
+    #: The 1-minute load average before and after the run.
+    load_average: tuple[float, float] = (0.0, 0.0)
+    cores: int = 1
+    runtime_s: float = 0.0
+    #: The processes the run started (servers, clients) and this one: CPU s over the run.
+    own_cpu_s: float = 0.0
+    #: Per stream count, the token interval both servers ran at.
+    intervals: dict[int, float] = field(default_factory=dict)
+
+    def rows(self) -> list[Row]:
+        def side(streams: int, server: Server) -> Side:
+            return Side.of([c for c in self.cells if c.streams == streams and c.server == server])
+
+        with_sglang = any(cell.server == "sglang" for cell in self.cells)
+        return [
+            Row(
+                streams,
+                interval,
+                side(streams, "serve"),
+                side(streams, "floor"),
+                side(streams, "sglang") if with_sglang else None,
+            )
+            for streams, interval in sorted(self.intervals.items())
+        ]
+
+    def machine(self) -> MachineState:
+        own = self.own_cpu_s / self.runtime_s if self.runtime_s else 0.0
+        return judge_machine(*self.load_average, self.cores, own, 0.0)
+
+    def targets(self) -> list[Target]:
+        row = next((r for r in self.rows() if r.streams == TARGET_STREAMS), None)
+        at = f"at {TARGET_STREAMS} streams"
+        checks = self.checks()
+        if row is None or row.serve.us_per_chunk is None or row.ratio is None:
+            return [
+                Target(f"serve CPU per chunk {at}", f"<= {TARGET_US:g} us", "not run", None),
+                Target(
+                    f"serve / floor, CPU per chunk {at}", f"<= {TARGET_RATIO:g}x", "not run", None
+                ),
+                *checks,
+            ]
+        us, ratio = row.serve.us_per_chunk, row.ratio
+        absolute = Target(
+            f"serve CPU per chunk {at}",
+            f"<= {TARGET_US:g} us",
+            f"{us:.1f} us",
+            us <= TARGET_US,
+            "time",
+        ).judged_on(self.machine())
+        # A ratio of two figures from the same run: judged on every run, as counts are.
+        relative = Target(
+            f"serve / floor, CPU per chunk {at}",
+            f"<= {TARGET_RATIO:g}x",
+            f"{ratio:.2f}x ({us:.1f} / {row.floor.us_per_chunk:.1f} us)",
+            ratio <= TARGET_RATIO,
+        )
+        return [absolute, relative, *checks]
+
+    def checks(self) -> list[Target]:
+        """What makes the run's figures valid, judged on every run."""
+        sides = [side for row in self.rows() for side in row.sides]
+        failures = sum(side.failures for side in sides)
+        empty = sum(1 for side in sides if side.chunks == 0)
+        late = sum(side.late_streams for side in sides)
+        busiest = max((side.client_cores for side in sides), default=0.0)
+        return [
+            Target(
+                "requests failed (a status, a connection cut, no [DONE])",
+                "0",
+                f"{failures}",
+                failures == 0,
+            ),
+            Target("cells that read no chunk", "0", f"{empty}", empty == 0 and bool(sides)),
+            Target(
+                "streams without a token when their window began (still starting)",
+                "0",
+                f"{late}",
+                late == 0,
+            ),
+            Target(
+                "the clients' busiest cell, cores",
+                f"<= {CLIENT_CORES_AT_MOST:g} (not the bottleneck)",
+                f"{busiest:.2f}",
+                busiest <= CLIENT_CORES_AT_MOST,
+            ),
+        ]
+
+    @property
+    def passed(self) -> bool:
+        """Every check on the run's validity held (the targets are reported, not required)."""
+        return all(check.met for check in self.checks())
+
+    # -- text ---------------------------------------------------------------------
+
+    def format(self) -> str:
+        machine = self.machine()
+        lines = [
+            *wrap(
+                f"trio-sglang serve against the floor (hypercorn's trio worker and a minimal "
+                f"ASGI app streaming the same bytes), measured in this run: "
+                f"{self.config['endpoint']}, {self.config['rate']:,.0f} tokens/s offered in "
+                f"all (a token every streams/rate s per stream), "
+                f"{self.config['max_tokens']} tokens a request, {self.config['rounds']} "
+                f"round(s) of {self.config['window']:g} s per cell. us/chunk: the server "
+                "process's CPU over the data events the clients read; tok/chunk: tokens per "
+                "event (above 1: serve was behind, and coalesced); beats/s: serve's SSE "
+                "heartbeats; client: the client process's CPU per chunk, us."
+            ),
+            "",
+            *table(
+                [
+                    "streams",
+                    "interval",
+                    "chunks/s",
+                    "us/chunk",
+                    "tok/chunk",
+                    "beats/s",
+                    "chunks/s",
+                    "us/chunk",
+                    "serve/floor",
+                    "client",
+                ],
+                [_row_cells(row) for row in self.rows()],
+                groups=[("", 2), ("serve", 4), ("floor", 2), ("", 2)],
+            ),
+            *self._sglang_lines(),
+            "",
+            "targets and checks:",
+            *(line for target in self.targets() for line in wrap(target.line(), hang=15)),
+            "",
+            *wrap(
+                f"{_machine_line(machine)}; load average {self.load_average[0]:.2f} before, "
+                f"{self.load_average[1]:.2f} after; runtime {self.runtime_s:.1f} s"
+            ),
+        ]
+        return "\n".join(lines)
+
+    def _sglang_lines(self) -> list[str]:
+        rows = [row for row in self.rows() if row.sglang is not None]
+        if not rows:
+            return []
+        return [
+            "",
+            *wrap(
+                f"SGLang {SGLANG_VERSION}'s own HTTP server in the same run: its FastAPI app "
+                "on uvicorn and its TokenizerManager, over the stand-in scheduler (whose "
+                "process, in a GPU scheduler's place, is not counted)."
+            ),
+            "",
+            *table(
+                ["streams", "chunks/s", "us/chunk", "tok/chunk", "sglang/floor", "serve/sglang"],
+                [_sglang_cells(row) for row in rows],
+            ),
+        ]
+
+    def markdown(self) -> str:
+        """This benchmark's section of ``summary.md``."""
+        header = [
+            "streams",
+            "serve chunks/s",
+            "serve µs/chunk",
+            "floor chunks/s",
+            "floor µs/chunk",
+            "serve/floor",
+        ]
+        rows = [
+            [
+                f"{row.streams:,}",
+                f"{row.serve.chunks_per_s:,.0f}",
+                _us(row.serve.us_per_chunk),
+                f"{row.floor.chunks_per_s:,.0f}",
+                _us(row.floor.us_per_chunk),
+                _ratio(row.ratio),
+                *([] if row.sglang is None else _sglang_markdown(row, row.sglang)),
+            ]
+            for row in self.rows()
+        ]
+        if any(row.sglang is not None for row in self.rows()):
+            header += ["SGLang µs/chunk", "SGLang/floor", "serve/SGLang"]
+        return "\n".join(
+            [
+                "## Serving throughput",
+                "",
+                f"`serve` against the floor, {self.config['endpoint']}, "
+                f"{self.config['rate']:,.0f} tokens/s offered; {_machine_line(self.machine())}.",
+                "",
+                *markdown_table(header, rows),
+                "",
+                *(
+                    f"- [{target.label}] {target.what}: {target.measured} (target {target.target})"
+                    for target in self.targets()
+                ),
+                "",
+            ]
+        )
+
+    def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "benchmark": "serve_throughput",
+            "machine": machine,
+            "config": self.config,
+            "machine_state": self.machine().to_json(),
+            "load_average": list(self.load_average),
+            "runtime_s": self.runtime_s,
+            "own_cpu_s": self.own_cpu_s,
+            "rows": [row.to_json() for row in self.rows()],
+            "cells": [
+                {"server": c.server, "streams": c.streams, "round": c.round, **asdict(c.reading)}
+                for c in self.cells
+            ],
+            "targets": [target.to_json() for target in self.targets()],
+            "passed": self.passed,
+        }
+
+
+def _machine_line(machine: MachineState) -> str:
+    if machine.quiet:
+        return f"machine quiet (load {machine.load:.2f} on {machine.cores} cores)"
+    return machine.verdict
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _sglang_markdown(row: Row, sglang: Side) -> list[str]:
+    return [
+        _us(sglang.us_per_chunk),
+        _ratio(_ratio_of(sglang, row.floor)),
+        _ratio(_ratio_of(row.serve, sglang)),
+    ]
+
+
+def _sglang_cells(row: Row) -> list[str]:
+    assert row.sglang is not None
+    tokens = row.sglang.tokens_per_chunk
+    return [
+        f"{row.streams:,}",
+        f"{row.sglang.chunks_per_s:,.0f}",
+        _us(row.sglang.us_per_chunk),
+        "-" if tokens is None else f"{tokens:.2f}",
+        _ratio(_ratio_of(row.sglang, row.floor)),
+        _ratio(_ratio_of(row.serve, row.sglang)),
+    ]
+
+
+def _row_cells(row: Row) -> list[str]:
+    tokens = row.serve.tokens_per_chunk
+    return [
+        f"{row.streams:,}",
+        f"{1e3 * row.token_interval:g} ms",
+        f"{row.serve.chunks_per_s:,.0f}",
+        _us(row.serve.us_per_chunk),
+        "-" if tokens is None else f"{tokens:.2f}",
+        f"{row.serve.heartbeats / row.serve.window_s:,.0f}" if row.serve.window_s else "-",
+        f"{row.floor.chunks_per_s:,.0f}",
+        _us(row.floor.us_per_chunk),
+        _ratio(row.ratio),
+        _us(max(side.client_us_per_chunk or 0.0 for side in row.sides)),
+    ]
