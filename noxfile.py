@@ -1,5 +1,6 @@
-"""The one entry point: ``nox -s tests``, ``sglang``, ``fuzz``, ``lint``, ``typecheck``,
-``bench``, ``load``, ``router-cancel``, ``serve``, ``bench-endpoint``, ``demo``.
+"""The one entry point: ``nox -s tests``, ``sglang``, ``dynamo``, ``fuzz``, ``lint``,
+``typecheck``, ``mutants``, ``bench``, ``load``, ``router-cancel``, ``serve``, ``bench-endpoint``,
+``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -20,11 +21,23 @@ def install(session: nox.Session, *extras: str) -> None:
     session.install("-e", target)
 
 
+#: Dynamo's frontend, beside the dynamo extra: ``ai-dynamo`` goes in with --no-deps (one
+#: of its requirements cannot be installed), with the few packages its frontend imports.
+DYNAMO_FRONTEND = ("ai-dynamo==1.6.1",)
+DYNAMO_FRONTEND_NEEDS = ("packaging", "pyyaml", "msgspec")
+
+
+def install_dynamo(session: nox.Session, *extras: str) -> None:
+    install(session, "dynamo", *extras)
+    session.install("--no-deps", *DYNAMO_FRONTEND)
+    session.install(*DYNAMO_FRONTEND_NEEDS)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite (pytest-trio, MockClock; loopback only; no GPU, no SGLang)."""
     install(session, "test")
-    session.run("pytest", "-m", "not sglang", *session.posargs)
+    session.run("pytest", "-m", "not sglang and not dynamo", *session.posargs)
 
 
 @nox.session
@@ -55,12 +68,33 @@ def sglang(session: nox.Session) -> None:
     stack) beside the packages it needs at import time; torch is pinned in
     that same command, or pip would swap it for another build. The project
     goes in with ``asyncio`` (trio-asyncio), the part of the ``sglang`` extra
-    that is not SGLang itself.
+    that is not SGLang itself, and ``bench-dynamo``: with Dynamo 1.6.1's own
+    SGLang handler (``ai-dynamo``, --no-deps as well) the tests run a quick
+    form of the harness benchmark beside it.
     """
     session.install("torch==2.14.1", "torchvision==0.29.1", "-r", "requirements/sglang-cpu.txt")
     session.install("--no-deps", "sglang==0.5.23")
-    install(session, "test", "asyncio")
+    install(session, "test", "asyncio", "bench-dynamo")
+    session.install("--no-deps", *DYNAMO_FRONTEND)
     session.run("pytest", "-m", "sglang", "-s", *session.posargs)
+
+
+@nox.session
+def dynamo(session: nox.Session) -> None:
+    """trio-sglang workers behind Dynamo's own frontend, as processes (no etcd, no NATS)."""
+    install_dynamo(session, "test", "asyncio")
+    session.run("pytest", "-m", "dynamo", *session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Mutation testing of the lifecycle core against the MockClock tests (docs/mutants.md).
+
+    10 to 15 min on 2 cores; ``-- --quick``: CI's subset (4 to 5 min). Fails on
+    a survivor that docs/mutants.md does not list as equivalent.
+    """
+    install(session, "test", "mutants")
+    session.run("python", "scripts/mutants.py", *session.posargs)
 
 
 @nox.session
@@ -92,16 +126,24 @@ SHARED_BENCH_FLAGS = frozenset({"--quick", "--full", "-h", "--help"})
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The main job: cancel latency (about 2 min), then a prefill/decode pair (about 50 s).
+    """The main job: cancel latency (about 2 min), a prefill/decode pair (about 50 s), then
+    serving throughput (about 2 min).
 
-    ``-- --quick``: both subsets (CI, under a minute); ``-- --full``: the whole
-    sweep. Both write into one new folder, ``bench-results/<UTC time>/``
-    (``-- --out DIR`` to choose it): results.json, latency.png, summary.md and
-    disagg.json. Other arguments after ``--`` go to ``cancel_latency.py`` only;
-    ``disagg_cancel.py``'s own options (``--requests``, ...): run it directly.
+    ``-- --quick``: the three subsets (CI, under a minute each); ``-- --full``: the
+    whole sweep. All write into one new folder, ``bench-results/<UTC time>/``
+    (``-- --out DIR`` to choose it): results.json, latency.png, summary.md,
+    disagg.json and serve_throughput.json. Other arguments after ``--`` go to
+    ``cancel_latency.py`` only; the others' own options (``--requests``,
+    ``--streams``, ...): run them directly.
+    ``-- --dynamo`` also installs the dynamo extra with Dynamo's frontend and runs
+    ``dynamo_cancel.py`` (behind Dynamo; about 2 min, 1 with ``--quick``) into dynamo.json.
     """
-    install(session, "bench")
-    args = list(session.posargs)
+    args = [arg for arg in session.posargs if arg != "--dynamo"]
+    dynamo = len(args) < len(session.posargs)
+    if dynamo:
+        install_dynamo(session, "serve", "bench")
+    else:
+        install(session, "serve", "bench")
     given = [i for i, arg in enumerate(args) if arg == "--out" or arg.startswith("--out=")]
     if given:
         out = args[given[-1] : given[-1] + (2 if args[given[-1]] == "--out" else 1)]
@@ -111,6 +153,13 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/cancel_latency.py", *args)
     shared = [arg for arg in args if arg in SHARED_BENCH_FLAGS]
     session.run("python", "benchmarks/disagg_cancel.py", *shared, *out)
+    session.run("python", "benchmarks/serve_throughput.py", *shared, *out)
+    if dynamo:
+        folder = out[-1].removeprefix("--out=")
+        quick = ["--quick"] if "--quick" in args else []
+        session.run(
+            "python", "benchmarks/dynamo_cancel.py", *quick, "--json", f"{folder}/dynamo.json"
+        )
 
 
 @nox.session

@@ -1,85 +1,27 @@
 """Subprocesses for the multi-worker tests: ``trio-sglang serve`` workers and sglang-router.
 
-Every process logs to a file (no pipe to fill up), every wait is bounded, and
-``stop`` always ends with the process reaped: SIGTERM, then SIGKILL.
+``Process``, ``free_port`` and ``wait_until`` are the benchmarks' own
+(``benchmarks/_subprocesses.py``): every process logs to a file, every wait
+is bounded, and ``stop`` always reaps.
 """
 
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from _subprocesses import Process, free_port, wait_until
+
 __all__ = ["Process", "free_port", "start_router", "start_workers", "wait_until"]
 
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago (for programs that cannot bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class Process:
-    """A subprocess whose stdout and stderr go to ``log``."""
-
-    def __init__(self, name: str, args: Sequence[str], log: Path) -> None:
-        self.name = name
-        self.args = list(args)
-        self.log = log
-        with log.open("wb") as out:  # the child keeps its own copy of the descriptor
-            self.popen = subprocess.Popen(
-                self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
-            )
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, chars: int = 4000) -> str:
-        return f"--- {self.name} ({' '.join(self.args)}) ---\n{self.output()[-chars:]}"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` seconds; always reaps the process."""
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-        self.popen.wait()
-
-
-def wait_until(
-    what: str, ready: Callable[[], bool], timeout: float, *watched: Process, poll: float = 0.05
-) -> None:
-    """Poll ``ready`` until true; fail after ``timeout`` s or as soon as a watched process exits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if ready():
-            return
-        for process in watched:
-            if not process.alive():
-                raise AssertionError(
-                    f"{process.name} exited ({process.popen.returncode}) while waiting for "
-                    f"{what}\n{process.tail()}"
-                )
-        if time.monotonic() > deadline:
-            tails = "\n".join(process.tail() for process in watched)
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
-        time.sleep(poll)
 
 
 def _get_json(url: str) -> Any:

@@ -148,57 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         "HTTP port, right for a SimEngine prefill server; for one on SGLang, its "
         "--disaggregation-bootstrap-port, 8998 unless set)",
     )
-    sim = serve.add_argument_group("SimEngine timing (in seconds, but the chunk size in tokens)")
-    sim.add_argument(
-        "--sim-tokenize-delay",
-        type=_seconds,
-        default=0.005,
-        help="from a request's arrival to the end of its tokenization",
-    )
-    sim.add_argument(
-        "--sim-dispatch-delay",
-        type=_seconds,
-        default=0.001,
-        help="from the end of tokenization to the push to the scheduler, per child of a batch",
-    )
-    sim.add_argument(
-        "--sim-first-token-delay",
-        type=_seconds,
-        default=0.05,
-        help="from the push to the scheduler to the first token: queueing and prefill",
-    )
-    sim.add_argument("--sim-token-interval", type=_seconds, default=0.02, help="between two tokens")
-    timing = SimDisaggTiming()
-    sim.add_argument(
-        "--sim-prefill-time-per-token",
-        type=_seconds,
-        default=timing.prefill_time_per_token,
-        help="a disaggregated prefill's compute per prompt token; a prompt word is a token",
-    )
-    sim.add_argument(
-        "--sim-prefill-chunk-tokens",
-        type=_positive_int,
-        default=timing.prefill_chunk_tokens,
-        help="prompt tokens per prefill forward; a cancel takes effect between forwards",
-    )
-    sim.add_argument(
-        "--sim-bootstrap-delay",
-        type=_seconds,
-        default=timing.bootstrap_delay,
-        help="the decode side's handshake with the prefill side",
-    )
-    sim.add_argument(
-        "--sim-kv-transfer-delay",
-        type=_seconds,
-        default=timing.kv_transfer_delay,
-        help="sending the KV cache from the prefill side to the decode side",
-    )
-    sim.add_argument(
-        "--sim-kv-wait-timeout",
-        type=_seconds,
-        default=timing.kv_wait_timeout,
-        help="how long the decode side waits for a KV cache; the default is SGLang's",
-    )
+    _add_sim_options(serve)
+    _add_dynamo_worker(commands)
     bench = commands.add_parser(
         "bench-endpoint",
         help="how fast any serving endpoint lets go of clients that leave, from its own metrics",
@@ -208,9 +159,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_dynamo_worker(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    worker = commands.add_parser(
+        "dynamo-worker",
+        help="a backend of NVIDIA Dynamo's runtime: its frontend and router send the requests, "
+        "a client leaving cancels (the dynamo extra)",
+        formatter_class=_HelpFormatter,
+    )
+    worker.add_argument("--model-name", required=True, help="the model's name at Dynamo's frontend")
+    worker.add_argument("--namespace", default="dynamo", help="the endpoint's Dynamo namespace")
+    worker.add_argument("--component", default="backend", help="the endpoint's component")
+    worker.add_argument("--endpoint", default="generate", help="the endpoint's name")
+    worker.add_argument(
+        "--engine",
+        choices=["sim", "sglang"],
+        default="sim",
+        help="sim: the embedded SimEngine, no GPU; sglang: SGLang's engine in this process, "
+        "with the sglang extra on a GPU machine",
+    )
+    worker.add_argument(
+        "--model-path",
+        help="the model's folder: the frontend tokenizes with its tokenizer and chat template "
+        "(default: the SimEngine's own tiny tokenizer; --engine sglang needs one)",
+    )
+    worker.add_argument(
+        "--loop",
+        choices=["guest", "trio-asyncio"],
+        help="how trio shares the thread with the runtime's asyncio: guest (trio as a guest "
+        "of uvloop) or trio-asyncio (default: guest, or trio-asyncio with --engine sglang)",
+    )
+    worker.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address of the --metrics-port server"
+    )
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve GET /metrics (the trio_sglang_* metrics of serve) on this port; 0 picks "
+        "a free one (default: none)",
+    )
+    _add_shutdown_options(
+        worker,
+        "at shutdown the worker leaves discovery, then open streams get this to finish; then "
+        "pending engine-side cleanup gets it again",
+    )
+    _add_sim_options(worker)
+    worker.set_defaults(disaggregation_mode=None, chat_template=None)
+
+
 def _add_limits(serve: argparse.ArgumentParser) -> None:
     """What a client can make the server hold, and the shutdown: every bound with its default."""
-    limits, policy = ServerLimits(), AbortPolicy()
+    limits = ServerLimits()
     edge = serve.add_argument_group("connections (seconds, or counts)")
     edge.add_argument(
         "--max-connections",
@@ -304,13 +302,73 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         help="a decode server's prefill bootstrap addresses (host or host:port) that a "
         "request's bootstrap_host may name, beside --prefill-url's (default: none)",
     )
-    stopping = serve.add_argument_group("shutdown (seconds; a second SIGINT/SIGTERM: at once)")
-    stopping.add_argument(
-        "--shutdown-grace",
+    _add_shutdown_options(
+        serve,
+        "at shutdown, open responses end and their connections get 1 s to close (then they "
+        "are reset); then pending engine-side cleanup gets this",
+    )
+
+
+def _add_sim_options(parser: argparse.ArgumentParser) -> None:
+    """The SimEngine's timing, for every command that runs it."""
+    sim = parser.add_argument_group("SimEngine timing (in seconds, but the chunk size in tokens)")
+    sim.add_argument(
+        "--sim-tokenize-delay",
         type=_seconds,
-        default=policy.shutdown_grace,
-        help="at shutdown, open responses end and their connections get 1 s to close (then "
-        "they are reset); then pending engine-side cleanup gets this",
+        default=0.005,
+        help="from a request's arrival to the end of its tokenization",
+    )
+    sim.add_argument(
+        "--sim-dispatch-delay",
+        type=_seconds,
+        default=0.001,
+        help="from the end of tokenization to the push to the scheduler, per child of a batch",
+    )
+    sim.add_argument(
+        "--sim-first-token-delay",
+        type=_seconds,
+        default=0.05,
+        help="from the push to the scheduler to the first token: queueing and prefill",
+    )
+    sim.add_argument("--sim-token-interval", type=_seconds, default=0.02, help="between two tokens")
+    timing = SimDisaggTiming()
+    sim.add_argument(
+        "--sim-prefill-time-per-token",
+        type=_seconds,
+        default=timing.prefill_time_per_token,
+        help="a disaggregated prefill's compute per prompt token; a prompt word is a token",
+    )
+    sim.add_argument(
+        "--sim-prefill-chunk-tokens",
+        type=_positive_int,
+        default=timing.prefill_chunk_tokens,
+        help="prompt tokens per prefill forward; a cancel takes effect between forwards",
+    )
+    sim.add_argument(
+        "--sim-bootstrap-delay",
+        type=_seconds,
+        default=timing.bootstrap_delay,
+        help="the decode side's handshake with the prefill side",
+    )
+    sim.add_argument(
+        "--sim-kv-transfer-delay",
+        type=_seconds,
+        default=timing.kv_transfer_delay,
+        help="sending the KV cache from the prefill side to the decode side",
+    )
+    sim.add_argument(
+        "--sim-kv-wait-timeout",
+        type=_seconds,
+        default=timing.kv_wait_timeout,
+        help="how long the decode side waits for a KV cache; the default is SGLang's",
+    )
+
+
+def _add_shutdown_options(parser: argparse.ArgumentParser, grace: str) -> None:
+    policy = AbortPolicy()
+    stopping = parser.add_argument_group("shutdown (seconds; a second SIGINT/SIGTERM: at once)")
+    stopping.add_argument(
+        "--shutdown-grace", type=_seconds, default=policy.shutdown_grace, help=grace
     )
     stopping.add_argument(
         "--engine-close-timeout",
@@ -350,7 +408,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        commands = {"demo": _demo, "serve": _serve, "bench-endpoint": _bench_endpoint}
+        commands = {
+            "demo": _demo,
+            "serve": _serve,
+            "dynamo-worker": _dynamo_worker,
+            "bench-endpoint": _bench_endpoint,
+        }
         status = commands[args.command](args)
         sys.stdout.flush()  # a reader gone shows here, not in the interpreter's last flush
     except* BrokenPipeError:
@@ -388,6 +451,30 @@ def _bench_endpoint(args: argparse.Namespace) -> int:
     except* Refused as refused:
         refusal = str(_first(refused))
     return _refuse(refusal)
+
+
+def _dynamo_worker(args: argparse.Namespace) -> int:
+    logging.getLogger("trio_sglang").setLevel(logging.INFO)
+    try:
+        from .dynamo._command import Refused, run_command
+    except ImportError as exc:
+        return _refuse(
+            "trio-sglang dynamo-worker needs the dynamo extra: "
+            f"pip install 'trio-sglang[dynamo]' ({exc})"
+        )
+    from .server import ForcedShutdown
+
+    refusal: str | None = None
+    forced: int | None = None
+    try:
+        run_command(args, _engine_options(args))
+    except* Refused as refused:
+        refusal = f"trio-sglang dynamo-worker: {_first(refused)}"
+    except* ForcedShutdown as stopped:
+        forced = _forced_status(stopped)
+    if refusal is not None:
+        return _refuse(refusal)
+    return 0 if forced is None else forced
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -438,9 +525,7 @@ def _serve(args: argparse.Namespace) -> int:
     except* ListenError as failed:  # a port in use, an address not on this machine
         refusal = str(_first(failed))
     except* ForcedShutdown as stopped:
-        signum = _first(stopped)
-        assert isinstance(signum, ForcedShutdown)
-        forced = 128 + signum.signum  # as a shell reports a program a signal ended
+        forced = _forced_status(stopped)
     if refusal is not None:
         return _refuse(refusal)
     return 0 if forced is None else forced
@@ -468,6 +553,15 @@ def _fit_to_descriptors(limits: ServerLimits) -> ServerLimits:
         soft,
     )
     return dataclasses.replace(limits, max_connections=fits)
+
+
+def _forced_status(stopped: BaseExceptionGroup[BaseException]) -> int:
+    """The exit status after a second signal: 128 + its number, as a shell reports it."""
+    from .server import ForcedShutdown
+
+    found = _first(stopped)
+    assert isinstance(found, ForcedShutdown)
+    return 128 + found.signum
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:

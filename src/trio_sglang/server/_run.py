@@ -31,7 +31,7 @@ from ._app import ServerApp
 from ._http import HTTPServer
 from ._metrics import ServerMetrics
 
-__all__ = ["ForcedShutdown", "serve"]
+__all__ = ["ForcedShutdown", "ShutdownSignals", "serve"]
 
 logger = logging.getLogger("trio_sglang.server")
 
@@ -89,7 +89,7 @@ async def serve(
     config.errorlog = logging.getLogger("hypercorn.error")  # through logging, once
     config.graceful_timeout = 1.0  # streams are already ended by then
     config.keep_alive_timeout = limits.keep_alive_timeout
-    signals = _Signals(shutdown)
+    signals = ShutdownSignals(shutdown)
     async with trio.open_nursery() as watching:
         if handle_signals:  # from the start to the engine's close: a second one is never lost
             watching.start_soon(signals.watch)
@@ -124,7 +124,7 @@ def _describe(worker: Worker) -> str:
     return f"role {capabilities['role']}, engine {capabilities['engine']['kind']}"
 
 
-class _Signals:
+class ShutdownSignals:
     """SIGINT and SIGTERM: the first sets ``shutdown``, a second one calls the hurry hooks.
 
     Watched until the engine has closed, so that no signal ever meets

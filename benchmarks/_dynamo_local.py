@@ -1,0 +1,107 @@
+"""A Dynamo deployment on one machine: the frontend and workers as subprocesses.
+
+No etcd and no NATS: discovery in a folder (``DYN_DISCOVERY_BACKEND=file``),
+TCP request and response planes, ZMQ events, and every host on 127.0.0.1.
+Each process logs to a file (no pipe to fill), every wait is bounded, and
+``close`` always reaps every process (``_subprocesses.py``). Used by
+``dynamo_cancel.py`` and by the tests of ``trio-sglang dynamo-worker``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from _subprocesses import Process, free_port, wait_until
+
+__all__ = ["Deployment", "local_env"]
+
+
+def local_env(discovery: Path) -> dict[str, str]:
+    """This environment, with Dynamo's runtime kept on loopback and discovery in ``discovery``."""
+    return {
+        **os.environ,
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(discovery),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_RESPONSE_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        # Without these the runtime binds to the machine's primary interface.
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "DYN_SYSTEM_HOST": "127.0.0.1",
+        "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
+    }
+
+
+class Deployment:
+    """Dynamo's frontend on ``port`` and the workers started with ``start_worker``."""
+
+    def __init__(self, folder: Path, *, python: str = sys.executable) -> None:
+        self.folder = folder
+        self.python = python
+        self.env = local_env(folder / "discovery")
+        (folder / "discovery").mkdir(parents=True, exist_ok=True)
+        self.processes: list[Process] = []
+        self.url = ""
+
+    def start_frontend(self, timeout: float = 60.0) -> str:
+        """``python -m dynamo.frontend`` on loopback; its URL once it answers."""
+        port = free_port()
+        command = [self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
+        frontend = self._start("frontend", [*command, "--http-port", str(port)])
+        self.url = f"http://127.0.0.1:{port}"
+        wait_until("the frontend to answer", lambda: self._models() is not None, timeout, frontend)
+        return self.url
+
+    def start_worker(
+        self, name: str, command: Sequence[str], model: str, timeout: float = 60.0
+    ) -> Process:
+        """A worker process; returned once the frontend lists ``model``."""
+        worker = self._start(name, command)
+        wait_until(
+            f"the frontend to list {model}",
+            lambda: model in (self._models() or ()),
+            timeout,
+            worker,
+        )
+        return worker
+
+    def trio_worker_command(self, model: str, metrics_port: int, *args: str) -> list[str]:
+        """``trio-sglang dynamo-worker`` for ``model``, its metrics on ``metrics_port``.
+
+        Each model gets a component of its own (named after it): workers of
+        one endpoint are one pool to the router, whatever model they serve.
+        """
+        command = [self.python, "-m", "trio_sglang", "dynamo-worker", "--model-name", model]
+        return [*command, "--component", model, "--metrics-port", str(metrics_port), *args]
+
+    def _start(self, name: str, command: Sequence[str]) -> Process:
+        process = Process(name, command, self.folder / f"{name}.log", self.env)
+        self.processes.append(process)
+        return process
+
+    def _models(self) -> list[str] | None:
+        try:
+            response = httpx.get(f"{self.url}/v1/models", timeout=2)
+        except httpx.TransportError:
+            return None
+        if response.status_code != 200:
+            return None
+        return [model["id"] for model in response.json().get("data", ())]
+
+    def close(self) -> None:
+        """Workers first (they unregister), then the frontend; every process reaped."""
+        for process in reversed(self.processes):
+            process.stop(timeout=15)
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

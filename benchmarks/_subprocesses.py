@@ -1,0 +1,94 @@
+"""Subprocesses for tests and benchmarks: each logs to a file, and every wait is bounded.
+
+No pipe to fill up, and ``stop`` always ends with the process reaped:
+SIGTERM, then SIGKILL. The multi-worker tests import it too
+(``tests/_processes.py``), so that one copy of this exists.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["Process", "free_port", "wait_until"]
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for programs that cannot bind port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Process:
+    """A subprocess whose stdout and stderr go to ``log``."""
+
+    def __init__(
+        self, name: str, args: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.args = list(args)
+        self.log = log
+        with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+            self.popen = subprocess.Popen(
+                self.args,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else dict(env),
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, chars: int = 4000) -> str:
+        return f"--- {self.name} ({' '.join(self.args)}) ---\n{self.output()[-chars:]}"
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            self.popen.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        """The exit status; ``subprocess.TimeoutExpired`` if still running after ``timeout``."""
+        return self.popen.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; always reaps the process."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        self.popen.wait()
+
+
+def wait_until(
+    what: str, ready: Callable[[], bool], timeout: float, *watched: Process, poll: float = 0.05
+) -> None:
+    """Poll ``ready`` until true; fail after ``timeout`` s or as soon as a watched process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if ready():
+            return
+        for process in watched:
+            if not process.alive():
+                raise AssertionError(
+                    f"{process.name} exited ({process.popen.returncode}) while waiting for "
+                    f"{what}\n{process.tail()}"
+                )
+        if time.monotonic() > deadline:
+            tails = "\n".join(process.tail() for process in watched)
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
+        time.sleep(poll)

@@ -1,0 +1,373 @@
+"""Behind Dynamo: a client leaving at the frontend, to nothing live at the worker; CPU per token.
+
+One Dynamo frontend (``python -m dynamo.frontend``) and three workers, on
+loopback with discovery in a temporary folder (no etcd, no NATS), each
+serving a model of its own with the same token timing:
+
+- ``trio-sglang (guest)``: ``trio-sglang dynamo-worker``, trio as uvloop's guest (the default);
+- ``trio-sglang (trio-asyncio)``: the same worker over trio-asyncio;
+- ``plain asyncio``: ``_dynamo_plain_worker.py``, the runtime's floor: a generator
+  that yields the same tokens, polls nothing, and stops the instant the
+  runtime's context fires. No engine, no lifecycle.
+
+For each worker, in the same run:
+
+1. **sequential**: a stream reads 3 tokens and closes its connection; the time
+   from the close to the worker's ``GET /live_requests`` reading 0, polled
+   back to back. Repeated ``--repeats`` times.
+2. **burst**: 128 streams read at once; 64 of them close at the same instant.
+   Each release is timed from that instant by the steps of ``/live_requests``
+   down to 64 (the other 64 stay meanwhile). ``test_dynamo.py`` checks that
+   those who stay get every token.
+3. **CPU per streamed token**: ``--streams`` streams of ``--tokens`` tokens read
+   to the end; the worker process's CPU (user + system, from /proc) over the
+   tokens the clients received.
+4. **lost and leaked**: the SimEngine's ``abort_lost`` (trio-sglang workers) and
+   the live requests left after every phase.
+
+Targets: the sequential p99 (time, judged on a quiet machine only), and the
+burst p99 and CPU per token as ratios to the plain worker's from the same run
+(judged on every run). Needs the ``dynamo`` extra and Dynamo's frontend
+(``nox -s bench -- --dynamo`` installs both).
+
+    python benchmarks/dynamo_cancel.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from _dynamo_local import Deployment
+from _subprocesses import Process, free_port
+from _verdict import Target, fmt_ms, judge_machine
+
+HERE = Path(__file__).resolve().parent
+#: The SimEngine's defaults: 50 tokens a second a stream, as a busy GPU decodes.
+FIRST_TOKEN_DELAY = 0.05
+TOKEN_INTERVAL = 0.02
+SEQUENTIAL_P99_MS = 5.0
+BURST_RATIO = 2.0
+CPU_RATIO = 1.5
+BURST_STREAMS, BURST_LEAVING = 128, 64
+#: Polls of /live_requests stop waiting after this; a request still live then is leaked.
+RELEASE_TIMEOUT = 10.0
+
+
+@dataclass
+class WorkerRun:
+    """One worker's figures."""
+
+    name: str
+    sequential_ms: list[float] = field(default_factory=list)
+    burst_ms: list[float] = field(default_factory=list)
+    cpu_us_per_token: float | None = None
+    tokens_streamed: int = 0
+    lost: int = 0
+    leaked: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "sequential_ms": _summary(self.sequential_ms),
+            "burst_ms": _summary(self.burst_ms),
+            "cpu_us_per_token": self.cpu_us_per_token,
+            "tokens_streamed": self.tokens_streamed,
+            "lost": self.lost,
+            "leaked": self.leaked,
+        }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _summary(values: list[float]) -> dict[str, Any]:
+    return {
+        "n": len(values),
+        **{f"p{int(q * 100)}": _percentile(values, q) for q in (0.5, 0.9, 0.99)},
+        "max": max(values, default=None),
+    }
+
+
+class Probe:
+    """A worker's ``/live_requests``, read over one keep-alive connection."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = httpx.Client(timeout=5)
+
+    def live(self) -> int:
+        return int(self.client.get(self.url).text)
+
+    def until(self, done: Callable[[int], bool], on_step: Callable[[int], None]) -> bool:
+        """Poll back to back until ``done(live)``; ``on_step(live)`` at each reading."""
+        deadline = time.perf_counter() + RELEASE_TIMEOUT
+        while time.perf_counter() < deadline:
+            live = self.live()
+            on_step(live)
+            if done(live):
+                return True
+        return False
+
+
+def _cpu_seconds(process: Process) -> float:
+    fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (``/proc/stat``: all but idle and iowait)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _body(model: str, tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": "the a",
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _read_to_end(lines: Any) -> int:
+    """Completion tokens of a stream read to its end (its usage event)."""
+    usage = 0
+    for line in lines:
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            usage = (event.get("usage") or {}).get("completion_tokens", usage)
+    return int(usage)
+
+
+def sequential(url: str, model: str, probe: Probe, repeats: int, run: WorkerRun) -> None:
+    for _ in range(repeats):
+        with httpx.stream("POST", f"{url}/v1/completions", json=_body(model, 100_000)) as stream:
+            lines = stream.iter_lines()
+            for _ in range(3):
+                next(line for line in lines if line.startswith("data: {"))
+            left = time.perf_counter()
+        if probe.until(lambda live: live == 0, lambda live: None):
+            run.sequential_ms.append((time.perf_counter() - left) * 1000)
+        else:
+            run.leaked += probe.live()
+
+
+def burst(url: str, model: str, probe: Probe, run: WorkerRun) -> None:
+    """Half of the streams leave at one instant; the others stay until that is measured."""
+    streaming = threading.Barrier(BURST_STREAMS + 1, timeout=60)
+    leave, measured = threading.Event(), threading.Event()
+
+    def client(leaves: bool) -> None:
+        body = _body(model, 100_000)
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()  # held: dropping it closes the connection
+            next(line for line in lines if line.startswith("data: {"))
+            streaming.wait()
+            (leave if leaves else measured).wait(60)
+
+    with concurrent.futures.ThreadPoolExecutor(BURST_STREAMS) as pool:
+        futures = [pool.submit(client, k % 2 == 0) for k in range(BURST_STREAMS)]
+        streaming.wait()
+        previous = probe.live()
+        leave.set()
+        left = time.perf_counter()
+
+        def step(live: int) -> None:
+            nonlocal previous
+            released = max(0, previous - live)
+            run.burst_ms.extend([(time.perf_counter() - left) * 1000] * released)
+            previous = min(previous, live)
+
+        staying = BURST_STREAMS - BURST_LEAVING
+        if not probe.until(lambda live: live <= staying, step):
+            run.leaked += probe.live() - staying
+        measured.set()
+        for future in futures:
+            future.result()
+    if not probe.until(lambda live: live == 0, lambda live: None):
+        run.leaked += probe.live()
+
+
+def cpu_per_token(
+    url: str, model: str, process: Process, streams: int, tokens: int, run: WorkerRun
+) -> None:
+    def client(_: int) -> int:
+        with httpx.stream("POST", f"{url}/v1/completions", json=_body(model, tokens)) as stream:
+            return _read_to_end(stream.iter_lines())
+
+    before = _cpu_seconds(process)
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        received = sum(pool.map(client, range(streams)))
+    spent = _cpu_seconds(process) - before
+    run.tokens_streamed = received
+    run.cpu_us_per_token = spent / received * 1e6 if received else None
+
+
+def _sim_lost(metrics_url: str) -> int:
+    for line in httpx.get(metrics_url, timeout=5).text.splitlines():
+        if line.startswith('trio_sglang_sim_events_total{kind="abort_lost"}'):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def start_workers(deployment: Deployment) -> list[tuple[str, str, Process, int]]:
+    """(name, model, process, metrics port) for each worker, all registered."""
+    timing = ["--sim-first-token-delay", str(FIRST_TOKEN_DELAY)]
+    timing += ["--sim-token-interval", str(TOKEN_INTERVAL)]
+    started = []
+    for name, model, loop in (
+        ("trio-sglang (guest)", "trio-guest", "guest"),
+        ("trio-sglang (trio-asyncio)", "trio-aio", "trio-asyncio"),
+    ):
+        port = free_port()
+        command = deployment.trio_worker_command(model, port, "--loop", loop, *timing)
+        started.append((name, model, deployment.start_worker(model, command, model), port))
+    port = free_port()
+    plain = [deployment.python, str(HERE / "_dynamo_plain_worker.py"), "--model-name", "plain"]
+    plain += ["--metrics-port", str(port), "--first-token-delay", str(FIRST_TOKEN_DELAY)]
+    plain += ["--token-interval", str(TOKEN_INTERVAL)]
+    started.append(
+        ("plain asyncio", "plain", deployment.start_worker("plain", plain, "plain"), port)
+    )
+    return started
+
+
+def targets(runs: dict[str, WorkerRun]) -> list[Target]:
+    ours, floor = runs["trio-sglang (guest)"], runs["plain asyncio"]
+    seq = _percentile(ours.sequential_ms, 0.99)
+    ours_burst, floor_burst = _percentile(ours.burst_ms, 0.99), _percentile(floor.burst_ms, 0.99)
+    burst_ratio = ours_burst / floor_burst if ours_burst and floor_burst else None
+    cpu_ratio = (
+        ours.cpu_us_per_token / floor.cpu_us_per_token
+        if ours.cpu_us_per_token and floor.cpu_us_per_token
+        else None
+    )
+    lost = sum(run.lost for run in runs.values())
+    leaked = sum(run.leaked for run in runs.values())
+    return [
+        Target(
+            "disconnect -> nothing live, p99, sequential",
+            f"<= {SEQUENTIAL_P99_MS:g} ms",
+            fmt_ms(seq),
+            None if seq is None else seq <= SEQUENTIAL_P99_MS,
+            "time",
+        ),
+        Target(
+            "64 of 128 leaving at once, p99, vs the plain worker",
+            f"<= {BURST_RATIO:g}x",
+            "n/a" if burst_ratio is None else f"{burst_ratio:.2f}x",
+            None if burst_ratio is None else burst_ratio <= BURST_RATIO,
+        ),
+        Target(
+            "worker CPU per streamed token, vs the plain worker",
+            f"<= {CPU_RATIO:g}x",
+            "n/a" if cpu_ratio is None else f"{cpu_ratio:.2f}x",
+            None if cpu_ratio is None else cpu_ratio <= CPU_RATIO,
+        ),
+        Target(
+            "lost / leaked over every run",
+            "0 / 0",
+            f"{lost} / {leaked}",
+            lost == 0 and leaked == 0,
+        ),
+    ]
+
+
+def table(runs: dict[str, WorkerRun]) -> str:
+    head = (
+        "| worker | sequential p50 / p99 / max | burst p50 / p99 / max | "
+        "CPU per token | lost / leaked |\n| --- | --- | --- | --- | --- |"
+    )
+    rows = []
+    for run in runs.values():
+        seq, bur = _summary(run.sequential_ms), _summary(run.burst_ms)
+        cpu = "n/a" if run.cpu_us_per_token is None else f"{run.cpu_us_per_token:.0f} µs"
+        rows.append(
+            f"| {run.name} | {fmt_ms(seq['p50'])} / {fmt_ms(seq['p99'])} / {fmt_ms(seq['max'])} "
+            f"| {fmt_ms(bur['p50'])} / {fmt_ms(bur['p99'])} / {fmt_ms(bur['max'])} | {cpu} "
+            f"| {run.lost} / {run.leaked} |"
+        )
+    return "\n".join([head, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CI's size: about a minute")
+    parser.add_argument("--repeats", type=int, help="sequential leaves per worker (30; quick 8)")
+    parser.add_argument("--bursts", type=int, help="bursts per worker (3; quick 1)")
+    parser.add_argument("--streams", type=int, default=32, help="streams of the CPU phase")
+    parser.add_argument("--tokens", type=int, help="tokens per stream there (200; quick 100)")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (8 if args.quick else 30)
+    bursts = args.bursts or (1 if args.quick else 3)
+    tokens = args.tokens or (100 if args.quick else 200)
+
+    load_before = os.getloadavg()[0]
+    busy_before = _machine_busy_seconds()
+    started_at, cpu_at = time.perf_counter(), time.process_time()
+    runs: dict[str, WorkerRun] = {}
+    children_cpu = 0.0
+    with tempfile.TemporaryDirectory() as folder, Deployment(Path(folder)) as deployment:
+        url = deployment.start_frontend()
+        workers = start_workers(deployment)
+        print(f"frontend {url}; workers: {', '.join(w[0] for w in workers)}", file=sys.stderr)
+        for name, model, process, port in workers:
+            run = runs[name] = WorkerRun(name)
+            probe = Probe(f"http://127.0.0.1:{port}/live_requests")
+            print(f"{name}: {repeats} sequential leaves", file=sys.stderr)
+            sequential(url, model, probe, repeats, run)
+            for k in range(bursts):
+                print(f"{name}: burst {k + 1} of {bursts}", file=sys.stderr)
+                burst(url, model, probe, run)
+            print(f"{name}: {args.streams} streams x {tokens} tokens", file=sys.stderr)
+            cpu_per_token(url, model, process, args.streams, tokens, run)
+            if not name.startswith("plain"):
+                run.lost = _sim_lost(f"http://127.0.0.1:{port}/metrics")
+            run.leaked += probe.live()
+        for process in deployment.processes:
+            children_cpu += _cpu_seconds(process)
+    wall = time.perf_counter() - started_at
+    own = (time.process_time() - cpu_at + children_cpu) / wall
+    # Ours are many processes and threads, so the load average after the run
+    # is mostly ours, and more than our CPU share says. Others' part is read
+    # instead as the machine's busy CPU less ours, in cores.
+    others = max(0.0, (_machine_busy_seconds() - busy_before) / wall - own)
+    machine = judge_machine(load_before, own + others, os.cpu_count() or 1, own, 0.0)
+    verdicts = [target.judged_on(machine) for target in targets(runs)]
+    print(table(runs))
+    print(machine.line())
+    for target in verdicts:
+        print(target.line())
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "timing": {"first_token_delay": FIRST_TOKEN_DELAY, "token_interval": TOKEN_INTERVAL},
+            "machine": machine.to_json(),
+            "workers": [run.to_json() for run in runs.values()],
+            "targets": [target.to_json() for target in verdicts],
+        }
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0 if verdicts[-1].met else 1  # lost or leaked: a fault, not a figure
+
+
+if __name__ == "__main__":
+    sys.exit(main())
