@@ -141,7 +141,7 @@ def bench(session: nox.Session) -> None:
     args = [arg for arg in session.posargs if arg != "--dynamo"]
     dynamo = len(args) < len(session.posargs)
     if dynamo:
-        install_dynamo(session, "serve", "bench")
+        install_dynamo(session, "serve", "bench", "asyncio")  # both hosts
     else:
         install(session, "serve", "bench")
     given = [i for i, arg in enumerate(args) if arg == "--out" or arg.startswith("--out=")]

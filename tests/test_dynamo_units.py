@@ -439,6 +439,21 @@ def test_the_command_says_what_to_install_when_dynamo_is_missing() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_the_command_says_what_to_install_for_the_trio_asyncio_host() -> None:
+    script = (
+        "import sys, importlib.util\n"
+        # As if Dynamo were here and trio-asyncio not.
+        "importlib.util.find_spec = lambda name, *a: None if name == 'trio_asyncio' else object()\n"
+        "from trio_sglang._cli import main\n"
+        "sys.exit(main(['dynamo-worker', '--model-name', 'm', '--loop', 'trio-asyncio']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'trio-sglang[asyncio]'" in done.stderr
+
+
 def test_the_commands_defaults() -> None:
     args = build_parser().parse_args(["dynamo-worker", "--model-name", "m"])
     assert (args.namespace, args.component, args.endpoint) == ("dynamo", "backend", "generate")

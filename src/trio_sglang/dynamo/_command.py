@@ -45,6 +45,8 @@ def run_command(args: argparse.Namespace, engine: EngineOptions) -> None:
     except ValueError as exc:
         raise Refused(str(exc)) from None
     kind: HostKind = args.loop or ("trio-asyncio" if args.engine == "sglang" else "guest")
+    if kind == "trio-asyncio" and importlib.util.find_spec("trio_asyncio") is None:
+        raise Refused("--loop trio-asyncio needs trio-asyncio: pip install 'trio-sglang[asyncio]'")
     policy = AbortPolicy(
         shutdown_grace=args.shutdown_grace, engine_close_timeout=args.engine_close_timeout
     )
