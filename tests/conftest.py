@@ -1,6 +1,7 @@
-"""Helpers shared by the test modules: the engine most lifecycle tests run on, and stream readers.
+"""Helpers shared by the test modules: the engine most lifecycle tests run on, stream readers
+and an observer that records.
 
-These are plain functions, not fixtures: module-level helpers and constants use
+These are plain functions and classes, not fixtures: module-level helpers and constants use
 them too. pytest imports this file as the module ``conftest``, with ``tests/``
 on ``sys.path`` (the default "prepend" import mode, which also lets the tests
 import ``_fuzz`` and ``_strategies``), so a test module imports them by name:
@@ -58,6 +59,24 @@ async def read(
             if chunks == leave_after:
                 break
     return chunks
+
+
+class Recorder:
+    """A ``WorkerObserver`` that keeps each report, in order, as it heard it.
+
+    The tests pin each cleanup's duration and which fault was reported, not
+    only how many: more than the server's metrics keep.
+    """
+
+    def __init__(self) -> None:
+        self.faults: list[ts.EngineFault] = []
+        self.cleanups: list[tuple[float, bool]] = []
+
+    def cleanup_finished(self, seconds: float, *, released: bool) -> None:
+        self.cleanups.append((seconds, released))
+
+    def engine_fault(self, kind: ts.EngineFault) -> None:
+        self.faults.append(kind)
 
 
 # -- the sglang session's exit -----------------------------------------------------------

@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
-from conftest import read, slow_sim
+from conftest import Recorder, read, slow_sim
 from trio_sglang._cleanup import EngineCleanup, EngineRequest
 from trio_sglang._cleanup_group import open_cleanup_group
 from trio_sglang._disagg import CANCEL_ANYTIME
@@ -31,20 +31,6 @@ from trio_sglang.testing import Faults, FaultyEngine
 HELLO: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 5}}
 #: Still decoding when every bound of a cleanup has run out.
 LONG: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 50}}
-
-
-class Recorder:
-    """A ``WorkerObserver`` that keeps what it hears."""
-
-    def __init__(self) -> None:
-        self.faults: list[ts.EngineFault] = []
-        self.cleanups: list[tuple[float, bool]] = []
-
-    def cleanup_finished(self, seconds: float, *, released: bool) -> None:
-        self.cleanups.append((seconds, released))
-
-    def engine_fault(self, kind: ts.EngineFault) -> None:
-        self.faults.append(kind)
 
 
 def fault_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -22,7 +22,7 @@ import trio.testing
 
 import trio_sglang as ts
 from _readme import readme_block
-from conftest import read, slow_sim
+from conftest import Recorder, read, slow_sim
 from trio_sglang.server import ServerMetrics, serve
 from trio_sglang.testing import Faults, FaultyEngine
 
@@ -43,20 +43,6 @@ POLICY = ts.AbortPolicy(
 
 def is_faulty(request: Any) -> bool:
     return bool(request["text"] == FAULTY["text"])
-
-
-class Recorder:
-    """A ``WorkerObserver`` that keeps what it hears."""
-
-    def __init__(self) -> None:
-        self.faults: list[ts.EngineFault] = []
-        self.cleanups: list[tuple[float, bool]] = []
-
-    def cleanup_finished(self, seconds: float, *, released: bool) -> None:
-        self.cleanups.append((seconds, released))
-
-    def engine_fault(self, kind: ts.EngineFault) -> None:
-        self.faults.append(kind)
 
 
 async def read_healthy(worker: ts.Worker, ctx_id: str) -> None:

@@ -12,30 +12,23 @@ counts certain (a 0.5 s tokenization against Dynamo's 0.25 s dispatch wait).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from _benchmarks import benchmark_fixture
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 pytest.importorskip("dynamo.sglang", reason="needs ai-dynamo 1.6.1: run `nox -s sglang`")
 
 pytestmark = pytest.mark.sglang
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 #: Phases in which the request has not reached the scheduler when the cancel comes.
 BEFORE_DISPATCH = ("before_registration", "tokenizing", "slow_tokenization")
 
 
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        import cancel_latency
-
-        yield cancel_latency
+bench = benchmark_fixture("cancel_latency")
 
 
 @pytest.fixture(scope="module")

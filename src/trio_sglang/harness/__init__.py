@@ -13,6 +13,10 @@ and through SGLang's own, and gives back what each fed the scheduler. With
 ``dynamo=True`` a scenario can also run through NVIDIA Dynamo 1.6.1's own
 SGLang handler on the same TokenizerManager (``caller="dynamo-1.6"``), and
 ``observe_caller`` runs a scenario through any caller's ``CallerStream``.
+``open_tokenizer_manager`` is the harness's start-up on its own (the
+TokenizerManager and the stand-in scheduler, in the calling process), for a
+process that serves SGLang some other way: the serving benchmark runs SGLang's
+own HTTP server on it.
 """
 
 from ._chat import ChatPrompts
@@ -28,6 +32,7 @@ from ._scenarios import (
     sim_scheduler_events,
 )
 from ._tiny_model import build_tiny_model
+from ._tokenizer_manager import HostedTokenizerManager, open_tokenizer_manager
 
 __all__ = [
     "Caller",
@@ -35,6 +40,7 @@ __all__ = [
     "CancelPhase",
     "ChatPrompts",
     "DisaggSetup",
+    "HostedTokenizerManager",
     "Observation",
     "SGLangHarness",
     "Scenario",
@@ -42,5 +48,6 @@ __all__ = [
     "observe_caller",
     "observe_on_sim",
     "open_sglang_harness",
+    "open_tokenizer_manager",
     "sim_scheduler_events",
 ]

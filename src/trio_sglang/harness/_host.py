@@ -4,13 +4,15 @@ Run by ``open_sglang_harness``, never imported by a test runner: SGLang's
 TokenizerManager kills its whole process tree when its receive loop fails.
 It builds the tiny model, builds the TokenizerManager the way
 ``sglang.Engine`` does (without the GPU parts; with SGLang's template
-manager, ``--chat-template`` loaded as SGLang's server loads it), starts the
-stand-in scheduler as its child, opens one worker over ``SGLangEngine``, and
-then answers scenario and chat requests read as JSON lines on stdin with
-JSON lines on stdout (prefixed, so that stray prints cannot be mistaken for
-answers). With ``--dynamo`` it also opens NVIDIA Dynamo 1.6.1's own SGLang
-handler over the same TokenizerManager (``_dynamo_handler.py``), and a
-scenario can name it as its caller instead of the worker.
+manager, ``--chat-template`` loaded as SGLang's server loads it) and starts
+the stand-in scheduler as its child, all in ``open_tokenizer_manager`` (the
+serving benchmark's SGLang server starts up with it too); then it opens one
+worker over ``SGLangEngine`` and answers scenario and chat requests read as
+JSON lines on stdin with JSON lines on stdout (prefixed, so that stray
+prints cannot be mistaken for answers). With ``--dynamo`` it also opens
+NVIDIA Dynamo 1.6.1's own SGLang handler over the same TokenizerManager
+(``_dynamo_handler.py``), and a scenario can name it as its caller instead
+of the worker.
 
 With ``--disagg`` (a ``DisaggSetup`` as JSON) the TokenizerManager is a
 prefill or decode server's (``disaggregation_mode``, the default ``mooncake``
@@ -26,11 +28,8 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -53,63 +52,10 @@ from ._scenarios import (
     run_scenario,
     staged_kind,
 )
+from ._tokenizer_manager import open_tokenizer_manager
 
 if TYPE_CHECKING:
     from ._dynamo_handler import DynamoHandler
-from ._tiny_model import build_tiny_model
-
-
-def _tokenizer_manager(
-    model: Path, disagg: DisaggSetup | None, chat_template: str | None
-) -> tuple[Any, Any, Any]:
-    """A TokenizerManager built as ``sglang.Engine`` builds one, its templates and IPC names."""
-    from sglang.srt.entrypoints import engine as sglang_engine
-    from sglang.srt.runtime_context import publish
-    from sglang.srt.server_args import PortArgs, ServerArgs
-
-    # Only a prefill server starts the KV bootstrap server (on that port).
-    role: dict[str, Any] = (
-        {}
-        if disagg is None
-        else {"disaggregation_mode": disagg.role, "disaggregation_bootstrap_port": _free_port()}
-    )
-    server_args = ServerArgs(
-        model_path=str(model),
-        device="cpu",
-        skip_tokenizer_init=False,
-        incremental_streaming_output=True,
-        log_level="warning",
-        chat_template=chat_template,
-        **role,
-    )
-    server_args.resolve_once()
-    sglang_engine._set_envs_and_config(server_args)
-    server_args.check_server_args()
-    sglang_engine.resolve_auto_parsers(server_args)
-    publish(server_args, role="tokenizer")
-    port_args = PortArgs.init_new(server_args)
-    tm, templates = sglang_engine.init_tokenizer_manager(server_args, port_args)
-    return tm, templates, port_args
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _wait_for_bootstrap_server(port: int, timeout: float = 30) -> None:
-    """Until a prefill TokenizerManager's KV bootstrap server answers ``/health``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
-        except OSError as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the KV bootstrap server on port {port} did not start") from exc
-            time.sleep(0.05)
 
 
 def _logged(log: Path, since: os.stat_result) -> list[dict[str, Any]]:
@@ -128,17 +74,6 @@ def _mark(log: Path) -> Callable[[], list[list[int]]]:
     """From now on: the prompt ids of each request the scheduler receives."""
     since = log.stat()
     return lambda: [e["input_ids"] for e in _logged(log, since) if e["kind"] == "request"]
-
-
-def _wait_until_ready(scheduler: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
-    """Until the scheduler has connected (it logs "ready"): a request sent before is lost."""
-    deadline = time.monotonic() + timeout
-    while b'"ready"' not in log.read_bytes():
-        if scheduler.poll() is not None:
-            raise RuntimeError(f"the stand-in scheduler exited with {scheduler.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError("the stand-in scheduler did not start")
-        time.sleep(0.05)
 
 
 def _slow_tokenizer(tm: Any, original: Callable[..., Awaitable[Any]], delay: float) -> None:
@@ -225,42 +160,16 @@ def main(argv: list[str] | None = None) -> None:
         "--dynamo", action="store_true", help="also open Dynamo 1.6.1's SGLang handler (ai-dynamo)"
     )
     args = parser.parse_args(argv)
-    disagg: DisaggSetup | None = args.disagg
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    model = build_tiny_model(args.workdir / "tiny-llama")
-    tm, templates, port_args = _tokenizer_manager(model, disagg, args.chat_template)
-    if tm.bootstrap_server is not None:
-        _wait_for_bootstrap_server(tm.server_args.disaggregation_bootstrap_port)
-    log = args.workdir / f"scheduler-{os.getpid()}.jsonl"
-    log.write_bytes(b"")
-    scheduler = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trio_sglang.harness._scheduler",
-            "--input",
-            port_args.scheduler_input_ipc_name,
-            "--output",
-            port_args.tokenizer_ipc_name,
-            "--first-token-delay",
-            str(args.first_token_delay),
-            "--token-interval",
-            str(args.token_interval),
-            "--log",
-            str(log),
-            *(() if disagg is None else ("--disagg", disagg.to_text())),
-        ]
-    )
-    try:
-        _wait_until_ready(scheduler, log)
-        trio.run(_serve, tm, templates, log, args.dynamo)
-    finally:
-        scheduler.terminate()
-        try:
-            scheduler.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            scheduler.kill()
+    with open_tokenizer_manager(
+        args.workdir,
+        first_token_delay=args.first_token_delay,
+        token_interval=args.token_interval,
+        disagg=args.disagg,
+        chat_template=args.chat_template,
+    ) as hosted:
+        trio.run(
+            _serve, hosted.tokenizer_manager, hosted.templates, hosted.scheduler_log, args.dynamo
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""A real SGLang ``TokenizerManager`` in this process, over the stand-in scheduler.
+
+The harness's host process (``_host.py``) and the serving benchmark's SGLang
+server (``benchmarks/_sglang_http.py``) start SGLang alike, so that what the
+benchmark measures is the TokenizerManager the conformance tests check: one
+copy of the start-up keeps the two from drifting apart. Call it in a process
+of its own: SGLang's TokenizerManager kills its whole process tree when its
+receive loop fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._peer import DisaggSetup
+from ._tiny_model import build_tiny_model
+
+__all__ = ["HostedTokenizerManager", "open_tokenizer_manager"]
+
+
+@dataclass(frozen=True)
+class HostedTokenizerManager:
+    """What ``open_tokenizer_manager`` started; SGLang's own objects are untyped (``Any``)."""
+
+    #: SGLang's ``TokenizerManager``; its ``server_args`` are the resolved ones.
+    tokenizer_manager: Any
+    #: SGLang's template manager, as ``init_tokenizer_manager`` returned it.
+    templates: Any
+    #: SGLang's ``PortArgs``: the IPC names the stand-in scheduler is bound to.
+    port_args: Any
+    #: The stand-in scheduler's JSON-lines log: what it received, and when.
+    scheduler_log: Path
+
+
+@contextmanager
+def open_tokenizer_manager(
+    workdir: Path,
+    *,
+    first_token_delay: float,
+    token_interval: float,
+    disagg: DisaggSetup | None = None,
+    chat_template: str | None = None,
+) -> Iterator[HostedTokenizerManager]:
+    """The tiny model's TokenizerManager, with the stand-in scheduler as a child process.
+
+    Yields once the scheduler has connected, since a request sent before is
+    lost; stops the scheduler on the way out. ``workdir`` holds the tiny model
+    and the scheduler's log. ``first_token_delay`` and ``token_interval`` (in
+    seconds) pace the scheduler's tokens; ``disagg`` makes both a prefill or a
+    decode server's; ``chat_template`` is SGLang's ``--chat-template``.
+    """
+    # The tiny model is built locally: a hub lookup would only wait and fail.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    model = build_tiny_model(workdir / "tiny-llama")
+    tm, templates, port_args = _tokenizer_manager(model, disagg, chat_template)
+    if tm.bootstrap_server is not None:
+        _wait_for_bootstrap_server(tm.server_args.disaggregation_bootstrap_port)
+    log = workdir / f"scheduler-{os.getpid()}.jsonl"
+    log.write_bytes(b"")
+    scheduler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trio_sglang.harness._scheduler",
+            "--input",
+            port_args.scheduler_input_ipc_name,
+            "--output",
+            port_args.tokenizer_ipc_name,
+            "--first-token-delay",
+            str(first_token_delay),
+            "--token-interval",
+            str(token_interval),
+            "--log",
+            str(log),
+            *(() if disagg is None else ("--disagg", disagg.to_text())),
+        ]
+    )
+    try:
+        _wait_until_ready(scheduler, log)
+        yield HostedTokenizerManager(tm, templates, port_args, log)
+    finally:
+        scheduler.terminate()
+        try:
+            scheduler.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            scheduler.kill()
+
+
+def _tokenizer_manager(
+    model: Path, disagg: DisaggSetup | None, chat_template: str | None
+) -> tuple[Any, Any, Any]:
+    """A TokenizerManager built as ``sglang.Engine`` builds one, its templates and IPC names."""
+    from sglang.srt.entrypoints import engine as sglang_engine
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    # Only a prefill server starts the KV bootstrap server (on that port).
+    role: dict[str, Any] = (
+        {}
+        if disagg is None
+        else {"disaggregation_mode": disagg.role, "disaggregation_bootstrap_port": _free_port()}
+    )
+    server_args = ServerArgs(
+        model_path=str(model),
+        device="cpu",
+        skip_tokenizer_init=False,
+        incremental_streaming_output=True,
+        log_level="warning",
+        chat_template=chat_template,
+        **role,
+    )
+    server_args.resolve_once()
+    sglang_engine._set_envs_and_config(server_args)
+    server_args.check_server_args()
+    sglang_engine.resolve_auto_parsers(server_args)
+    publish(server_args, role="tokenizer")
+    port_args = PortArgs.init_new(server_args)
+    tm, templates = sglang_engine.init_tokenizer_manager(server_args, port_args)
+    return tm, templates, port_args
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_for_bootstrap_server(port: int, timeout: float = 30) -> None:
+    """Until a prefill TokenizerManager's KV bootstrap server answers ``/health``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the KV bootstrap server on port {port} did not start") from exc
+            time.sleep(0.05)
+
+
+def _wait_until_ready(scheduler: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
+    """Until the scheduler has connected (it logs "ready"): a request sent before is lost."""
+    deadline = time.monotonic() + timeout
+    while b'"ready"' not in log.read_bytes():
+        if scheduler.poll() is not None:
+            raise RuntimeError(f"the stand-in scheduler exited with {scheduler.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the stand-in scheduler did not start")
+        time.sleep(0.05)
