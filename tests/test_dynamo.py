@@ -147,31 +147,42 @@ def test_completions_and_chat_through_the_frontend(deployment: Any, worker: Work
     assert len(message["message"]["content"].split()) == 4
 
     for route, payload in (("chat/completions", chat), ("completions", body)):
-        streamed = {**payload, "max_tokens": 6, "stream": True}
-        streamed["stream_options"] = {"include_usage": True}
-        with httpx.stream("POST", f"{url}/v1/{route}", json=streamed, timeout=30) as response:
-            assert response.status_code == 200
-            events = sse_events(list(response.iter_lines()))
-        pieces = [
-            choice.get("delta", {}).get("content") or choice.get("text") or ""
-            for event in events
-            for choice in event["choices"]
-        ]
-        assert len("".join(pieces).split()) == 6
-        finishes = [choice.get("finish_reason") for event in events for choice in event["choices"]]
-        assert [reason for reason in finishes if reason] == ["length"]
-        assert events[-1]["usage"]["completion_tokens"] == 6
+        stream_six_tokens(url, route, payload)
     assert worker.live() == 0
+
+
+def stream_six_tokens(url: str, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """``body`` streamed for 6 tokens with its usage: the words, the one finish, the usage."""
+    streamed = {**body, "max_tokens": 6, "stream": True}
+    streamed["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{url}/v1/{route}", json=streamed, timeout=30) as response:
+        assert response.status_code == 200
+        events = sse_events(list(response.iter_lines()))
+    pieces = [
+        choice.get("delta", {}).get("content") or choice.get("text") or ""
+        for event in events
+        for choice in event["choices"]
+    ]
+    assert len("".join(pieces).split()) == 6
+    finishes = [choice.get("finish_reason") for event in events for choice in event["choices"]]
+    assert [reason for reason in finishes if reason] == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    return events
 
 
 def test_a_request_the_worker_cannot_serve_is_refused_by_name(
     deployment: Any, worker: Worker
 ) -> None:
+    refuse_logprobs(deployment.url, worker)
+
+
+def refuse_logprobs(url: str, worker: Worker) -> None:
+    """A completion asking for log probabilities: a 400 that names them; the engine sees nothing."""
     registered = worker.events("registered")
     body = {"model": worker.model, "prompt": "the a", "max_tokens": 3, "logprobs": 2}
-    answer = httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=30)
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert answer.status_code == 400, answer.text
-    assert "logprobs" in answer.text
+    assert "'logprobs' is not supported" in answer.json()["message"]
     assert worker.events("registered") == registered  # nothing reached the engine
 
 
@@ -197,10 +208,16 @@ def test_capabilities_are_published_with_the_registration(deployment: Any, worke
 # -- clients that leave --------------------------------------------------------
 
 
-def stream_then_leave(url: str, model: str, chunks: int, *, after: float = 0.0) -> None:
+def stream_then_leave(
+    url: str, model: str, chunks: int, *, after: float = 0.0, route: str = "completions"
+) -> None:
     """Open a long stream, read ``chunks`` events (or wait ``after`` s), then close."""
-    body = {"model": model, "prompt": "the a", "max_tokens": 3000, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+    body: dict[str, Any] = {"model": model, "max_tokens": 3000, "stream": True}
+    if route == "completions":
+        body["prompt"] = "the a"
+    else:
+        body["messages"] = [{"role": "user", "content": "the a"}]
+    with httpx.stream("POST", f"{url}/v1/{route}", json=body, timeout=30) as response:
         assert response.status_code == 200
         if chunks:
             seen = 0
@@ -267,6 +284,90 @@ def test_half_of_128_streams_leaving_at_once_lose_nothing(deployment: Any, worke
     wait_for("every stream released", lambda: worker.live() == 0)
     assert worker.outcomes("cancelled") - cancelled_before == 64
     assert worker.events("abort_lost") == lost_before == 0
+
+
+# -- ModelInput.Text ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_worker(
+    deployment: Any, local: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    """A SimEngine worker with ``--model-input text``, its model folder without a tokenizer."""
+    empty = tmp_path_factory.mktemp("no-tokenizer")
+    started = start_worker(
+        deployment,
+        local,
+        "sim-text",
+        "--model-input",
+        "text",
+        "--model-path",
+        str(empty),
+        "--sim-token-interval",
+        "0.01",
+    )
+    yield started
+    started.process.stop()
+
+
+def test_text_mode_answers_chat_and_completions_streamed_and_not(
+    deployment: Any, text_worker: Worker
+) -> None:
+    url, model = deployment.url, text_worker.model
+    chat = {"model": model, "messages": [{"role": "user", "content": "the a"}], "max_tokens": 4}
+    completion = {"model": model, "prompt": "the a of", "max_tokens": 5}
+    for route, body, prefix in (
+        ("chat/completions", chat, "chatcmpl-"),
+        ("completions", completion, "cmpl-"),
+    ):
+        done = httpx.post(f"{url}/v1/{route}", json=body, timeout=30).json()
+        assert done["id"].startswith(prefix), done
+        assert done["model"] == model
+        choice = done["choices"][0]
+        assert choice["finish_reason"] == "length"
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert len(text.split()) == body["max_tokens"]
+        usage = done["usage"]  # the worker's, folded in by the frontend from the last chunk
+        assert usage["completion_tokens"] == body["max_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + body["max_tokens"] > 4
+        events = stream_six_tokens(url, route, body)
+        assert {event["id"] for event in events} == {events[0]["id"]}
+        assert events[0]["id"].startswith(prefix)
+        assert events[-1]["choices"] == []  # the worker's usage chunk, as it sent it
+    assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert text_worker.live() == 0
+
+
+def test_text_mode_refuses_a_bad_request_by_name_before_the_engine(
+    deployment: Any, text_worker: Worker
+) -> None:
+    rejected = text_worker.outcomes("rejected")
+    refuse_logprobs(deployment.url, text_worker)
+    registered = text_worker.events("registered")
+    chat = {"model": text_worker.model, "messages": [{"role": "user", "content": "the a"}]}
+    streamed = {**chat, "max_tokens": 3, "logprobs": True, "stream": True}
+    url = f"{deployment.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=streamed, timeout=30) as response:
+        # The frontend's way with any refusal of a stream, in either mode: an error event.
+        assert response.status_code == 200
+        [error] = [json.loads(line[6:]) for line in response.iter_lines() if "error" in line]
+    assert error["error"]["code"] == 400
+    assert "'logprobs' is not supported" in error["error"]["message"]
+    assert text_worker.events("registered") == registered  # nothing reached the engine
+    assert text_worker.outcomes("rejected") == rejected + 2
+
+
+def test_text_mode_a_client_leaving_mid_stream_stops_the_engine(
+    deployment: Any, text_worker: Worker
+) -> None:
+    mid_stream = text_worker.sample("trio_sglang_cancellations_total", phase="mid_stream")
+    tokens = text_worker.events("token")
+    stream_then_leave(deployment.url, text_worker.model, 5, route="chat/completions")
+    wait_for("released mid-stream", lambda: text_worker.live() == 0)
+    after = text_worker.sample("trio_sglang_cancellations_total", phase="mid_stream")
+    assert after == mid_stream + 1
+    assert text_worker.events("token") - tokens < 3000 / 4
+    assert text_worker.events("abort_lost") == 0
 
 
 # -- shutdown ------------------------------------------------------------------

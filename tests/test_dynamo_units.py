@@ -4,8 +4,9 @@ The bridge runs here as it runs in a worker, trio as a guest of an asyncio
 loop, with the SimEngine behind it and a stand-in for the runtime's
 per-request ``Context`` (an id, ``is_killed``, and the future that
 ``async_killed_or_stopped`` returns). What it must get right: every chunk
-in Dynamo's shape, and a kill, a stop or a generator the runtime closes
-stopping the engine. The real runtime and frontend: ``test_dynamo.py``.
+in Dynamo's shape (token chunks, or OpenAI chunks in text mode), and a kill,
+a stop or a generator the runtime closes stopping the engine. The real
+runtime and frontend: ``test_dynamo.py``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import importlib.util
 import json
 import subprocess
 import sys
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,15 +30,17 @@ from trio_sglang import SimEngine, open_worker
 from trio_sglang._chat import plain_transcript
 from trio_sglang._cli import build_parser
 from trio_sglang._errors import InvalidRequest
-from trio_sglang.dynamo import SIM_MODEL_PATH, DynamoEndpoint, RuntimePlanes
+from trio_sglang.dynamo import MODEL_INPUTS, SIM_MODEL_PATH, DynamoEndpoint, RuntimePlanes
 from trio_sglang.dynamo._bridge import RequestBridge
 from trio_sglang.dynamo._exchange import Exchange
-from trio_sglang.dynamo._mapping import ChunkMapper, engine_request
+from trio_sglang.dynamo._mapping import TOKENS, ChunkMapper, engine_request, merge_token_chunks
+from trio_sglang.dynamo._text import merge_text_chunks, text_mode
+from trio_sglang.dynamo._translation import InputMode
 from trio_sglang.sim._scheduler import VOCAB_SIZE
 from trio_sglang.sim._tokenizer import _WORDS
 
 #: A request as Dynamo 1.6.1's frontend sends it for ``/v1/completions`` (captured).
-CAPTURED = {
+CAPTURED: dict[str, Any] = {
     "model": "sim",
     "token_ids": [0, 1, 2],
     "stop_conditions": {
@@ -198,7 +203,7 @@ def test_chunks_carry_usage_on_each_choices_first_and_last_and_abort_reads_cance
 
 def test_a_backlog_is_merged_per_choice_and_the_error_comes_after_the_last_chunk() -> None:
     async def main() -> list[dict[str, Any]]:
-        exchange = Exchange(asyncio.get_running_loop())
+        exchange = Exchange(asyncio.get_running_loop(), merge_token_chunks)
         exchange.put({"index": 0, "token_ids": [1], "completion_usage": {"n": 1}})
         exchange.put({"index": 0, "token_ids": [2]})
         exchange.put({"index": 1, "token_ids": [3]})
@@ -223,6 +228,30 @@ def test_a_backlog_is_merged_per_choice_and_the_error_comes_after_the_last_chunk
     ]
 
 
+def test_a_text_backlog_is_merged_per_unfinished_choice_and_usage_alone_stays_apart() -> None:
+    def chat(index: int, content: str, reason: str | None = None, **extra: Any) -> dict[str, Any]:
+        delta = {"content": content, **extra}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"id": "c", "object": "chat.completion.chunk", "choices": [choice]}
+
+    first = chat(0, " a", role="assistant")
+    assert merge_text_chunks(first, chat(0, " b"))
+    assert not merge_text_chunks(first, chat(1, " x"))  # another choice
+    assert merge_text_chunks(first, {**chat(0, " c", "length"), "usage": {"completion_tokens": 3}})
+    assert first["choices"][0] == {
+        "index": 0,
+        "delta": {"content": " a b c", "role": "assistant"},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert first["usage"] == {"completion_tokens": 3}
+    assert not merge_text_chunks(first, chat(0, " d"))  # finished: nothing after it merges
+    assert not merge_text_chunks(first, {"id": "c", "choices": [], "usage": {}})
+    text = {"choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]}
+    assert merge_text_chunks(text, {"choices": [{**text["choices"][0], "text": " b"}]})
+    assert text["choices"][0]["text"] == "a b"
+
+
 # -- configuration -------------------------------------------------------------
 
 
@@ -242,6 +271,14 @@ def test_an_endpoint_needs_names_dynamo_accepts_and_a_tokenizer(tmp_path: Path) 
         DynamoEndpoint("m", model_path=tmp_path)
     with pytest.raises(ValueError, match="name"):
         DynamoEndpoint("")
+
+
+def test_a_text_endpoint_needs_no_tokenizer_and_the_input_is_one_dynamo_has(
+    tmp_path: Path,
+) -> None:
+    assert DynamoEndpoint("m", model_path=tmp_path, model_input="text").model_input == "text"
+    with pytest.raises(ValueError, match="model_input 'bytes'"):
+        DynamoEndpoint("m", model_input="bytes")  # type: ignore[arg-type]
 
 
 def test_the_sim_tokenizer_is_the_sim_engines_vocabulary() -> None:
@@ -286,7 +323,7 @@ class StandInContext:
 Scenario = Callable[[RequestBridge, asyncio.AbstractEventLoop], Awaitable[None]]
 
 
-def run_bridge(scenario: Scenario, engine: SimEngine) -> int:
+def run_bridge(scenario: Scenario, engine: SimEngine, mode: InputMode = TOKENS) -> int:
     """``scenario(bridge, loop)`` on asyncio, the bridge's worker in a trio guest run.
 
     Returns the requests the engine still held once the bridge and the worker
@@ -303,7 +340,7 @@ def run_bridge(scenario: Scenario, engine: SimEngine) -> int:
 
         async def trio_side() -> None:
             async with open_worker(engine) as worker, trio.open_nursery() as requests:
-                bridge = RequestBridge(worker, requests, loop)
+                bridge = RequestBridge(worker, requests, loop, mode=mode)
                 ready.set_result(bridge)
                 await finish.wait()
                 with trio.fail_after(5):
@@ -422,6 +459,160 @@ def test_a_request_after_close_ends_with_engine_shutdown_and_reaches_nothing() -
     assert engine.event_counts()["registered"] == 0
 
 
+# -- the bridge in text mode ----------------------------------------------------
+
+
+def chat_request(**fields: Any) -> dict[str, Any]:
+    """A chat body as Dynamo's frontend hands it to a text worker (captured: nulls left out)."""
+    return {"messages": [{"role": "user", "content": "the a"}], "model": "sim", **fields}
+
+
+def completion_request(**fields: Any) -> dict[str, Any]:
+    return {"model": "sim", "prompt": "the a of", **fields}
+
+
+def collect(engine: SimEngine, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every chunk the text-mode bridge yields for ``body``; asserts the engine let go of it."""
+    seen: list[dict[str, Any]] = []
+
+    async def scenario(bridge: RequestBridge, loop: asyncio.AbstractEventLoop) -> None:
+        seen.extend([chunk async for chunk in bridge.generate(body, StandInContext(loop))])
+
+    assert run_bridge(scenario, engine, text_mode(engine, "sim-text")) == 0
+    return seen
+
+
+def words(chunks: list[dict[str, Any]]) -> list[str]:
+    pieces = [
+        choice["delta"]["content"] if "delta" in choice else choice["text"]
+        for chunk in chunks
+        for choice in chunk["choices"]
+    ]
+    return "".join(pieces).split()
+
+
+def test_a_streamed_chat_is_openai_chunks_with_the_usage_asked_for() -> None:
+    options = {"include_usage": True, "continuous_usage_stats": False}  # as the frontend sends
+    chunks = collect(sim(), chat_request(max_tokens=12, stream=True, stream_options=options))
+    *choices, usage = chunks
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    assert {chunk["model"] for chunk in chunks} == {"sim-text"}
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert chunks[0]["id"].startswith("chatcmpl-")
+    assert choices[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in chunk["choices"][0]["delta"] for chunk in choices[1:])
+    assert len(words(choices)) == 12
+    assert [c["choices"][0]["finish_reason"] for c in choices][-1] == "length"
+    assert usage["choices"] == []
+    prompt = len(plain_transcript(chat_request()["messages"]).split())  # the SimEngine's template
+    assert usage["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 12,
+        "total_tokens": prompt + 12,
+    }
+
+
+def test_a_streamed_completion_of_two_choices_is_text_completion_chunks() -> None:
+    chunks = collect(sim(), completion_request(max_tokens=5, n=2, stream=True))
+    assert {chunk["object"] for chunk in chunks} == {"text_completion"}
+    assert chunks[0]["id"].startswith("cmpl-")
+    for index in (0, 1):
+        mine = [
+            {**chunk, "choices": [choice]}
+            for chunk in chunks
+            for choice in chunk["choices"]
+            if choice["index"] == index
+        ]
+        assert len(words(mine)) == 5
+        assert mine[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in chunk for chunk in chunks)  # not asked for
+
+
+def test_a_request_not_streamed_still_streams_and_ends_with_its_usage() -> None:
+    """The frontend folds the stream into the body, its usage from the last chunk that has one."""
+    *choices, usage = collect(sim(), completion_request(max_tokens=4))
+    assert len(words(choices)) == 4
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_sglangs_abort_finishes_a_text_choice_as_stop_the_one_openai_reason_that_fits() -> None:
+    """The frontend takes OpenAI's finish reasons only; tokens mode shows a cancel as stop."""
+    translation = text_mode(sim(), "sim-text").translate(completion_request(stream=True))
+    meta = {"finish_reason": {"type": "abort"}, "prompt_tokens": 3, "completion_tokens": 1}
+    chunk = translation.chunk({"text": " a", "output_ids": [1], "meta_info": meta})
+    assert chunk is not None
+    assert chunk["choices"][0]["finish_reason"] == "stop"
+    assert translation.output == "native"
+    assert translation.body["text"] == "the a of"
+
+
+@pytest.fixture
+def dynamo_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Dynamo exceptions the bridge raises: the real ones, or stand-ins of the same names."""
+    if importlib.util.find_spec("dynamo") is None:
+        errors = types.ModuleType("dynamo.llm.exceptions")
+        for name in ("InvalidArgument", "EngineShutdown", "HttpError"):
+            setattr(errors, name, type(name, (Exception,), {}))
+        for name in ("dynamo", "dynamo.llm"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        monkeypatch.setitem(sys.modules, "dynamo.llm.exceptions", errors)
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        (completion_request(logprobs=2), "logprobs"),
+        (chat_request(messages=[{"role": "robot", "content": "x"}]), "role"),
+        (completion_request(prompt=[]), "prompt"),
+        (completion_request(prompt=""), "empty"),  # the worker's own check, past the plan's
+        (chat_request(max_tokens=-1), "max_tokens"),
+        (chat_request(temperature=-1.0), "temperature"),
+    ],
+)
+@pytest.mark.usefixtures("dynamo_errors")
+def test_a_bad_openai_request_is_refused_by_name_and_reaches_nothing(
+    body: dict[str, Any], named: str
+) -> None:
+    engine = sim()
+
+    async def scenario(bridge: RequestBridge, loop: asyncio.AbstractEventLoop) -> None:
+        chunks = bridge.generate(body, StandInContext(loop))
+        with pytest.raises(Exception, match=named) as refused:
+            async for _ in chunks:
+                pass
+        assert type(refused.value).__name__ == "InvalidArgument"  # the frontend's 400
+
+    assert run_bridge(scenario, engine, text_mode(engine, "sim-text")) == 0
+    assert engine.event_counts()["registered"] == 0
+
+
+@pytest.mark.parametrize("how", ["kill", "stop", "close"])
+def test_a_text_stream_killed_stopped_or_closed_mid_stream_stops_the_engine(how: str) -> None:
+    engine = sim()
+    taken: list[str] = []
+
+    async def scenario(bridge: RequestBridge, loop: asyncio.AbstractEventLoop) -> None:
+        context = StandInContext(loop)
+        body = chat_request(max_tokens=10_000, stream=True)
+        chunks: AsyncIterator[dict[str, Any]] = bridge.generate(body, context)
+        async for chunk in chunks:
+            taken.extend(words([chunk]))
+            if len(taken) >= 5:
+                break
+        if how == "close":
+            await chunks.aclose()  # type: ignore[attr-defined]  # the runtime's GeneratorExit
+        else:
+            context.fire(kill=how == "kill")
+            async for chunk in chunks:  # the stream ends, no choice finished
+                assert all(choice["finish_reason"] is None for choice in chunk["choices"])
+
+    assert run_bridge(scenario, engine, text_mode(engine, "sim-text")) == 0
+    counts = engine.event_counts()
+    assert counts["abort_applied"] == 1
+    assert counts["abort_lost"] == 0
+    assert counts["token"] < 10_000
+
+
 # -- the command ---------------------------------------------------------------
 
 
@@ -460,3 +651,10 @@ def test_the_commands_defaults() -> None:
     assert args.loop is None  # guest, or trio-asyncio with --engine sglang
     assert args.metrics_port is None
     assert args.shutdown_grace == 1.0
+    assert args.model_input == "tokens"
+
+
+@pytest.mark.parametrize("model_input", MODEL_INPUTS)
+def test_the_command_offers_each_model_input(model_input: str) -> None:
+    argv = ["dynamo-worker", "--model-name", "m", "--model-input", model_input]
+    assert build_parser().parse_args(argv).model_input == model_input

@@ -18,7 +18,7 @@ import pytest
 
 from trio_sglang.server._json import Template, dumps
 from trio_sglang.server._native import NativePlan
-from trio_sglang.server._openai import ChatPlan, CompletionPlan
+from trio_sglang.server._openai import ChatPlan, CompletionPlan, OpenAIPlan
 
 VALUES: list[object] = [
     "plain",
@@ -153,6 +153,25 @@ def test_completion_chunks_are_openai_chunks() -> None:
             ],
         }
         assert streamed(plan, out) == event(expected)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_chunk_object_is_what_its_sse_event_carries(route: str, continuous: bool) -> None:
+    """``chunk`` is for a transport that encodes chunks itself (Dynamo's text mode)."""
+    options = {"stream_options": {"continuous_usage_stats": continuous}, "stream": True, "n": 2}
+    events: OpenAIPlan
+    objects: OpenAIPlan
+    if route == "chat":
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **options}
+        events, objects = ChatPlan.parse(chat, "m"), ChatPlan.parse(chat, "m")
+    else:
+        body = {"model": "m", "prompt": "hi", **options}
+        events, objects = CompletionPlan.parse(body, "m"), CompletionPlan.parse(body, "m")
+    objects.public_id, objects.created = events.public_id, events.created
+    for out in (output(" a", index=0), output(" b", index=1), output(" c", index=0, reason="stop")):
+        sent = streamed(events, out)
+        assert json.loads(sent.removeprefix(b"data: ")) == objects.chunk(objects.add(out)[0], out)
 
 
 def test_native_events_are_the_outputs_as_sglang_streams_them() -> None:

@@ -178,9 +178,19 @@ def _add_dynamo_worker(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "with the sglang extra on a GPU machine",
     )
     worker.add_argument(
+        "--model-input",
+        choices=["tokens", "text"],
+        default="tokens",
+        help="what the frontend sends: tokens (Dynamo's ModelInput.Tokens: the frontend "
+        "tokenizes with the model's tokenizer and chat template, and its KV router works) or "
+        "text (ModelInput.Text: the worker gets the client's OpenAI request, renders chat with "
+        "the engine's own template and tokenizes; no tokenizer at the frontend)",
+    )
+    worker.add_argument(
         "--model-path",
-        help="the model's folder: the frontend tokenizes with its tokenizer and chat template "
-        "(default: the SimEngine's own tiny tokenizer; --engine sglang needs one)",
+        help="the model's folder: with --model-input tokens the frontend tokenizes with its "
+        "tokenizer and chat template (default: the SimEngine's own tiny tokenizer; --engine "
+        "sglang needs one)",
     )
     worker.add_argument(
         "--loop",

@@ -5,7 +5,8 @@ request and iterates what it yields. That generator only starts the
 request's trio task (``TrioToken.run_sync_soon``) and passes on the chunks
 the task hands it (``Exchange``). The request itself, from validation to the
 engine's cleanup, runs in trio through ``Worker.generate``, in a nursery the
-bridge's owner gives it.
+bridge's owner gives it. The input mode (``TOKENS``, or ``text_mode``) says
+what a request becomes and what its chunks look like; nothing else differs.
 
 Cancellation takes no polling. Dynamo's stop and kill resolve the context's
 ``async_killed_or_stopped()`` future; its done-callback becomes
@@ -27,7 +28,8 @@ from .._context import RequestContext
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._worker import Worker
 from ._exchange import Exchange
-from ._mapping import ChunkMapper, engine_request
+from ._mapping import TOKENS
+from ._translation import InputMode
 
 __all__ = ["DynamoContext", "RequestBridge", "RequestsObserver"]
 
@@ -59,11 +61,13 @@ class RequestBridge:
         nursery: trio.Nursery,
         loop: asyncio.AbstractEventLoop,
         observer: RequestsObserver | None = None,
+        mode: InputMode = TOKENS,
     ) -> None:
         self._worker = worker
         self._nursery = nursery
         self._loop = loop
         self._observer = observer
+        self._mode = mode
         self._token = trio.lowlevel.current_trio_token()
         self._open = 0
         self._idle = trio.Event()
@@ -89,7 +93,7 @@ class RequestBridge:
         self, request: Mapping[str, Any], context: DynamoContext
     ) -> AsyncIterator[dict[str, Any]]:
         """Dynamo's handler: the request's chunks, as Dynamo's own SGLang worker yields them."""
-        exchange = Exchange(self._loop)
+        exchange = Exchange(self._loop, self._mode.merge)
         ctx = RequestContext(context.id())
         self._token.run_sync_soon(self._start, request, ctx, exchange)
         signal = context.async_killed_or_stopped()
@@ -135,14 +139,15 @@ class RequestBridge:
         outcome: Outcome = "shutdown"  # unless it gets further: cancelled by the nursery
         sent = False
         try:
-            body = engine_request(request)
-            async with self._worker.generate(body, ctx, output="tokens") as stream:
-                to_dynamo = ChunkMapper(len(body["input_ids"]))
-                async for chunk in stream:
-                    out = to_dynamo(chunk)
-                    if out is not None:
+            served = self._mode.translate(request)
+            async with self._worker.generate(served.body, ctx, output=served.output) as stream:
+                async for out in stream:
+                    chunk = served.chunk(out)
+                    if chunk is not None:
                         sent = True
-                        exchange.put(out)
+                        exchange.put(chunk)
+            for chunk in served.closing():
+                exchange.put(chunk)
             outcome = "cancelled" if ctx.cancelled else "completed"
             exchange.end()
         except InvalidRequest as exc:

@@ -40,6 +40,7 @@ def run_command(args: argparse.Namespace, engine: EngineOptions) -> None:
             namespace=args.namespace,
             component=args.component,
             endpoint=args.endpoint,
+            model_input=args.model_input,
         )
         planes = RuntimePlanes.from_env()
     except ValueError as exc:

@@ -14,11 +14,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
-__all__ = ["SIM_MODEL_PATH", "DynamoEndpoint", "RuntimePlanes"]
+__all__ = ["MODEL_INPUTS", "SIM_MODEL_PATH", "DynamoEndpoint", "ModelInputKind", "RuntimePlanes"]
 
 #: The SimEngine's tokenizer: its 64 words, for Dynamo's frontend to tokenize with.
 SIM_MODEL_PATH = Path(__file__).with_name("sim_model")
+
+#: Dynamo's ``ModelInput``: ``tokens``, the frontend tokenizes; ``text``, the worker does.
+ModelInputKind = Literal["tokens", "text"]
+MODEL_INPUTS: tuple[ModelInputKind, ...] = get_args(ModelInputKind)
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _CHOICES = {
@@ -34,11 +39,15 @@ class DynamoEndpoint:
     """The endpoint a worker serves (``namespace.component.endpoint``) and the model on it."""
 
     model_name: str
-    #: The model's folder: Dynamo's frontend reads its tokenizer and chat template there.
+    #: The model's folder. With ``tokens`` Dynamo's frontend reads its tokenizer and chat
+    #: template there; with ``text`` it is only named in the model's card.
     model_path: Path = SIM_MODEL_PATH
     namespace: str = "dynamo"
     component: str = "backend"
     endpoint: str = "generate"
+    #: ``tokens``: the frontend tokenizes, renders chat and detokenizes, and its KV router
+    #: works. ``text``: the worker gets the client's OpenAI body, and needs no tokenizer there.
+    model_input: ModelInputKind = "tokens"
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -47,7 +56,9 @@ class DynamoEndpoint:
             value = getattr(self, part)
             if not isinstance(value, str) or not _NAME.fullmatch(value):
                 raise ValueError(f"{part} {value!r}: letters, digits, '-' and '_' only")
-        if not Path(self.model_path, "tokenizer.json").is_file():
+        if self.model_input not in MODEL_INPUTS:
+            raise ValueError(f"model_input {self.model_input!r}: one of {', '.join(MODEL_INPUTS)}")
+        if self.model_input == "tokens" and not Path(self.model_path, "tokenizer.json").is_file():
             raise ValueError(f"{self.model_path}: no tokenizer.json (the frontend tokenizes)")
 
     @property

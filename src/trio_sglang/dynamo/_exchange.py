@@ -2,29 +2,35 @@
 
 Both sides run in one thread, so a chunk changes hands without a lock or a
 copy: the trio task appends it and resolves the future the generator waits
-on. The trio task never waits for the generator. A chunk not taken yet is
-merged with the next one of the same choice (token ids concatenated, the
-later finish reason and usage kept), as SGLang's TokenizerManager merges a
-backlog. So the engine is never held back by the runtime's pace, and what
-waits here is bounded by the request's own tokens.
+on. The trio task never waits for the generator. A chunk not taken yet
+takes in the next one of the same choice (``merge``, which knows the chunks'
+shape: token ids or text concatenated, the later finish reason and usage
+kept), as SGLang's TokenizerManager merges a backlog. So the engine is never
+held back by the runtime's pace, and what waits here is bounded by the
+request's own tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "Merge"]
+
+#: Takes a chunk into the last one not taken yet, if both are of one unfinished choice; says if.
+Merge = Callable[[dict[str, Any], dict[str, Any]], bool]
 
 
 class Exchange:
     """Filled by ``put``/``end`` on the trio side, read by ``get()`` on the asyncio side."""
 
-    __slots__ = ("_ended", "_error", "_loop", "_pending", "_waiter")
+    __slots__ = ("_ended", "_error", "_loop", "_merge", "_pending", "_waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, merge: Merge) -> None:
         self._loop = loop
+        self._merge = merge
         self._pending: deque[dict[str, Any]] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
@@ -36,12 +42,8 @@ class Exchange:
         return self._ended
 
     def put(self, chunk: dict[str, Any]) -> None:
-        """Hand over one chunk (``index``, ``token_ids``, ...); merged into one not yet taken."""
-        last = self._pending[-1] if self._pending else None
-        if last is not None and last["index"] == chunk["index"] and "finish_reason" not in last:
-            last["token_ids"].extend(chunk["token_ids"])
-            last.update((key, value) for key, value in chunk.items() if key != "token_ids")
-        else:
+        """Hand over one chunk, merged into the last one not taken yet where ``merge`` can."""
+        if not (self._pending and self._merge(self._pending[-1], chunk)):
             self._pending.append(chunk)
         self._wake()
 

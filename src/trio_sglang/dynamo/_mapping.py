@@ -11,7 +11,8 @@ and cuts the text there.
 
 Each chunk back is Dynamo's: ``index``, ``token_ids``, ``finish_reason``
 (SGLang's ``abort`` as Dynamo's ``cancelled``), and ``completion_usage`` on a
-choice's first and last chunks. No engine rid is in any of them.
+choice's first and last chunks. No engine rid is in any of them. ``TOKENS``
+is this mode, for the bridge.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._errors import InvalidRequest
+from ._translation import InputMode, Translation
 
-__all__ = ["ChunkMapper", "engine_request"]
+__all__ = ["TOKENS", "ChunkMapper", "engine_request", "merge_token_chunks"]
 
 #: Passed through under the same name (``seed`` becomes ``sampling_seed``).
 _SAMPLING_OPTIONS = (
@@ -140,3 +142,29 @@ class ChunkMapper:
                 "total_tokens": self._prompt_tokens + completion,
             }
         return out
+
+
+def merge_token_chunks(last: dict[str, Any], chunk: dict[str, Any]) -> bool:
+    """``chunk`` into ``last`` if both are one unfinished choice's: ids added, the rest newer."""
+    if last["index"] != chunk["index"] or "finish_reason" in last:
+        return False
+    last["token_ids"].extend(chunk["token_ids"])
+    last.update((key, value) for key, value in chunk.items() if key != "token_ids")
+    return True
+
+
+def _translate(request: Mapping[str, Any]) -> Translation:
+    body = engine_request(request)
+    ids = body["input_ids"]
+    # Not a list of ids: the worker refuses the request before its first chunk.
+    to_dynamo = ChunkMapper(len(ids) if isinstance(ids, list) else 0)
+    return Translation(body, "tokens", to_dynamo, _no_chunks)
+
+
+def _no_chunks() -> list[dict[str, Any]]:
+    """A token stream has nothing after its last chunk: usage rides on each choice's last."""
+    return []
+
+
+#: ``ModelInput.Tokens``: the frontend tokenizes; requests mapped here, token chunks back.
+TOKENS = InputMode(_translate, merge_token_chunks)

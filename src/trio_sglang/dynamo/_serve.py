@@ -30,6 +30,8 @@ from .._worker import Worker, open_worker
 from ._bridge import RequestBridge, RequestsObserver
 from ._config import DynamoEndpoint, RuntimePlanes
 from ._hosts import AsyncioHost
+from ._mapping import TOKENS
+from ._text import text_mode
 
 __all__ = ["DynamoObserver", "Hurry", "serve_dynamo_worker"]
 
@@ -117,17 +119,23 @@ async def serve_dynamo_worker(
                 hurry.attach(worker)
                 if observer is not None:
                     observer.watch(worker)
+                mode = (
+                    TOKENS
+                    if endpoint.model_input == "tokens"
+                    else text_mode(engine, endpoint.model_name)
+                )
                 async with trio.open_nursery() as requests:
-                    bridge = RequestBridge(worker, requests, host.loop, observer)
+                    bridge = RequestBridge(worker, requests, host.loop, observer, mode)
                     serving.start_soon(host.aio, partial(served.serve_endpoint, bridge.generate))
                     context_length = engine.features().get("context_length")
                     await host.aio(
                         partial(_register, api, served, endpoint, worker, context_length)
                     )
                     logger.info(
-                        "serving %s at %s (%s discovery)",
+                        "serving %s at %s (%s input, %s discovery)",
                         endpoint.model_name,
                         endpoint.path,
+                        endpoint.model_input,
                         planes.discovery_backend,
                     )
                     task_status.started(hurry)
@@ -150,20 +158,27 @@ async def serve_dynamo_worker(
 async def _register(
     api: Any, served: Any, endpoint: DynamoEndpoint, worker: Worker, context_length: object
 ) -> None:
-    """The model, with the engine's context length and the worker's capabilities."""
+    """The model, with the engine's context length and the worker's capabilities.
+
+    With ``text`` input the card has no model assets: the frontend then
+    neither needs nor reads a tokenizer, and hands the worker the client's
+    body for both routes.
+    """
     llm = api.llm
     config = llm.ModelRuntimeConfig()
     if isinstance(context_length, int):
         config.context_length = context_length  # the frontend refuses longer prompts itself
     config.set_engine_specific(CAPABILITIES_KEY, json.dumps(worker.capabilities()))
+    text = endpoint.model_input == "text"
     await llm.register_model(
-        llm.ModelInput.Tokens,
+        llm.ModelInput.Text if text else llm.ModelInput.Tokens,
         llm.ModelType.Chat | llm.ModelType.Completions,
         served,
         str(endpoint.model_path),
         endpoint.model_name,
         worker_type=llm.WorkerType.Aggregated,
         runtime_config=config,
+        skip_model_assets=text,
     )
 
 

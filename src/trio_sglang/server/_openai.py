@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import abstractmethod
 from collections.abc import Mapping
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -17,7 +18,7 @@ from ._json import Template
 from ._openai_fields import Route, check_sampling, native_fields
 from ._plan import Plan
 
-__all__ = ["ChatPlan", "CompletionPlan"]
+__all__ = ["ChatPlan", "CompletionPlan", "OpenAIPlan"]
 
 
 def _native(
@@ -68,7 +69,9 @@ def _stream_flags(body: dict[str, Any]) -> _StreamFlags:
     return _StreamFlags(stream, *flags)
 
 
-class _OpenAIPlan(Plan):
+class OpenAIPlan(Plan):
+    """What both OpenAI routes share: the envelope, the stream chunks, the closing usage."""
+
     object_name = ""
     chunk_name = ""
     id_prefix = ""
@@ -109,15 +112,27 @@ class _OpenAIPlan(Plan):
             shape["usage"] = Template.HOLE
         return Template(shape)
 
-    def _chunk_event(self, choice: dict[str, Any]) -> bytes:
-        """The SSE event of one choice; with ``continuous_usage_stats``, its usage so far.
+    def sse(self, index: int, out: dict[str, Any]) -> bytes:
+        """The SSE event of one output; with ``continuous_usage_stats``, its choice's usage so far.
 
         As SGLang's: every chunk that carries a choice carries that choice's
         own usage (its prompt, its completion so far), not the request's.
         """
+        choice = self.stream_choice(index, out)
         if self.continuous_usage:
-            return sse_data(self._chunk.render([choice], self.child_usage(choice["index"])))
+            return sse_data(self._chunk.render([choice], self.child_usage(index)))
         return sse_data(self._chunk.render([choice]))
+
+    def chunk(self, index: int, out: dict[str, Any]) -> dict[str, Any]:
+        """The chunk ``sse`` sends, as an object: for a transport that encodes it (Dynamo's)."""
+        chunk = self._envelope(self.chunk_name, [self.stream_choice(index, out)])
+        if self.continuous_usage:
+            chunk["usage"] = self.child_usage(index)
+        return chunk
+
+    @abstractmethod
+    def stream_choice(self, index: int, out: dict[str, Any]) -> dict[str, Any]:
+        """The choice a stream chunk carries for one output, already added."""
 
     def closing_events(self) -> list[dict[str, Any]]:
         if not self.include_usage:
@@ -125,7 +140,7 @@ class _OpenAIPlan(Plan):
         return [{**self._envelope(self.chunk_name, []), "usage": self.usage()}]
 
 
-class CompletionPlan(_OpenAIPlan):
+class CompletionPlan(OpenAIPlan):
     object_name = "text_completion"
     chunk_name = "text_completion"
     id_prefix = "cmpl-"
@@ -151,9 +166,8 @@ class CompletionPlan(_OpenAIPlan):
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def sse(self, index: int, out: dict[str, Any]) -> bytes:
-        reason = self.children[index].finish_reason
-        return self._chunk_event(self._choice(index, out.get("text", ""), reason))
+    def stream_choice(self, index: int, out: dict[str, Any]) -> dict[str, Any]:
+        return self._choice(index, out.get("text", ""), self.children[index].finish_reason)
 
     def body(self) -> object:
         choices = [
@@ -163,7 +177,7 @@ class CompletionPlan(_OpenAIPlan):
         return {**self._envelope(self.object_name, choices), "usage": self.usage()}
 
 
-class ChatPlan(_OpenAIPlan):
+class ChatPlan(OpenAIPlan):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
@@ -197,19 +211,17 @@ class ChatPlan(_OpenAIPlan):
         super().__init__(native, names, model, flags)
         self._spoken: set[int] = set()  # children whose first delta (with the role) went out
 
-    def sse(self, index: int, out: dict[str, Any]) -> bytes:
-        child = self.children[index]
+    def stream_choice(self, index: int, out: dict[str, Any]) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": out.get("text", "")}
         if index not in self._spoken:
             self._spoken.add(index)
             delta = {"role": "assistant", **delta}
-        choice = {
+        return {
             "index": index,
             "delta": delta,
             "logprobs": None,
-            "finish_reason": child.finish_reason,
+            "finish_reason": self.children[index].finish_reason,
         }
-        return self._chunk_event(choice)
 
     def body(self) -> object:
         choices = [
