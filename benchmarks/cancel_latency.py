@@ -59,6 +59,7 @@ from _report import (
     write_json,
 )
 from _shutdown import shutdown_time
+from _trio_floor import bare_trio_burst_ms
 from _verdict import judge_machine
 
 if TYPE_CHECKING:
@@ -185,7 +186,10 @@ async def run_benchmark(config: Config, progress: Progress | None = None) -> Rep
     for approach, frozen in config.at_once_runs():
         label = " (gc frozen)" if frozen else ""
         steps.start(f"{config.at_once:,} streams cancelled at once: {approach}{label}")
-        report.at_once.append(await run_at_once(approach, config.at_once, freeze_gc=frozen))
+        burst = await run_at_once(approach, config.at_once, freeze_gc=frozen)
+        if approach == "trio-sglang" and not frozen:
+            burst.extra["trio_floor_ms"] = round(await bare_trio_burst_ms(config.at_once), 1)
+        report.at_once.append(burst)
         steps.step_done()
     if config.shutdown_pending:
         steps.start(f"shutdown with {config.shutdown_pending:,} pending cleanups")

@@ -14,7 +14,7 @@ For each worker, in the same run:
 
 1. **sequential**: a stream reads 3 tokens and closes its connection; the time
    from the close to the worker's ``GET /live_requests`` reading 0, polled
-   back to back. Repeated ``--repeats`` times.
+   every 0.5 ms. Repeated ``--repeats`` times.
 2. **burst**: 128 streams read at once; 64 of them close at the same instant.
    Each release is timed from that instant by the steps of ``/live_requests``
    down to 64 (the other 64 stay meanwhile). ``test_dynamo.py`` checks that
@@ -64,6 +64,12 @@ CPU_RATIO = 1.5
 BURST_STREAMS, BURST_LEAVING = 128, 64
 #: Polls of /live_requests stop waiting after this; a request still live then is leaked.
 RELEASE_TIMEOUT = 10.0
+#: Between two polls of /live_requests. Polled back to back, the probe took a core
+#: of a 2-core machine, and each worker spent its loop answering it, both away
+#: from the release being timed; 0.5 ms costs each reading at most that much.
+POLL_INTERVAL = 0.0005
+#: Idle readings per worker, timed before its phases.
+PROBE_ROUND_TRIPS = 50
 
 
 @dataclass
@@ -73,6 +79,8 @@ class WorkerRun:
     name: str
     sequential_ms: list[float] = field(default_factory=list)
     burst_ms: list[float] = field(default_factory=list)
+    #: One idle GET of /live_requests: what each reading above includes of the probe itself.
+    probe_ms: list[float] = field(default_factory=list)
     cpu_us_per_token: float | None = None
     tokens_streamed: int = 0
     lost: int = 0
@@ -83,6 +91,7 @@ class WorkerRun:
             "name": self.name,
             "sequential_ms": _summary(self.sequential_ms),
             "burst_ms": _summary(self.burst_ms),
+            "probe_ms": _summary(self.probe_ms),
             "cpu_us_per_token": self.cpu_us_per_token,
             "tokens_streamed": self.tokens_streamed,
             "lost": self.lost,
@@ -115,14 +124,24 @@ class Probe:
     def live(self) -> int:
         return int(self.client.get(self.url).text)
 
+    def round_trips(self, count: int) -> list[float]:
+        """Milliseconds of ``count`` idle readings: the workers' probes are different servers."""
+        times = []
+        for _ in range(count):
+            sent = time.perf_counter()
+            self.live()
+            times.append((time.perf_counter() - sent) * 1000)
+        return times
+
     def until(self, done: Callable[[int], bool], on_step: Callable[[int], None]) -> bool:
-        """Poll back to back until ``done(live)``; ``on_step(live)`` at each reading."""
+        """Poll every ``POLL_INTERVAL`` until ``done(live)``; ``on_step(live)`` at each reading."""
         deadline = time.perf_counter() + RELEASE_TIMEOUT
         while time.perf_counter() < deadline:
             live = self.live()
             on_step(live)
             if done(live):
                 return True
+            time.sleep(POLL_INTERVAL)
         return False
 
 
@@ -294,7 +313,7 @@ def targets(runs: dict[str, WorkerRun]) -> list[Target]:
 def table(runs: dict[str, WorkerRun]) -> str:
     head = (
         "| worker | sequential p50 / p99 / max | burst p50 / p99 / max | "
-        "CPU per token | lost / leaked |\n| --- | --- | --- | --- | --- |"
+        "CPU per token | lost / leaked | probe p50 |\n| --- | --- | --- | --- | --- | --- |"
     )
     rows = []
     for run in runs.values():
@@ -303,7 +322,7 @@ def table(runs: dict[str, WorkerRun]) -> str:
         rows.append(
             f"| {run.name} | {fmt_ms(seq['p50'])} / {fmt_ms(seq['p99'])} / {fmt_ms(seq['max'])} "
             f"| {fmt_ms(bur['p50'])} / {fmt_ms(bur['p99'])} / {fmt_ms(bur['max'])} | {cpu} "
-            f"| {run.lost} / {run.leaked} |"
+            f"| {run.lost} / {run.leaked} | {fmt_ms(_percentile(run.probe_ms, 0.5))} |"
         )
     return "\n".join([head, *rows])
 
@@ -333,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, model, process, port in workers:
             run = runs[name] = WorkerRun(name)
             probe = Probe(f"http://127.0.0.1:{port}/live_requests")
+            run.probe_ms = probe.round_trips(PROBE_ROUND_TRIPS)
             print(f"{name}: {repeats} sequential leaves", file=sys.stderr)
             sequential(url, model, probe, repeats, run)
             for k in range(bursts):

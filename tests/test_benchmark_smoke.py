@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,18 +19,13 @@ from typing import Any
 import pytest
 import trio
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from _benchmarks import benchmark_fixture
+
 GRID = (("before_first_token", 1), ("slow_tokenization", 10))
 APPROACHES = ("trio-sglang", "first-response", "poll-then-abort")
 
 
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        import cancel_latency
-
-        yield cancel_latency
+bench = benchmark_fixture("cancel_latency")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,8 @@ def test_tiny_run_has_the_documented_shape(report: Any) -> None:
     assert data["memory"]["bytes_per_request"] > 0
     assert data["shutdown"]["pending_cleanups"] == 20
     assert [cell["approach"] for cell in data["at_once"]] == ["trio-sglang"]
-    assert len(data["targets"]) == 8
+    assert data["at_once"][0]["trio_floor_ms"] > 0  # the floor ran beside the burst
+    assert len(data["targets"]) == 9
     keys = {"what", "target", "measured", "met", "verdict", "judged"}
     assert all(set(t) == keys for t in data["targets"])
     assert set(data["machine_state"]) >= {"quiet", "load", "cores", "worst_stall_ms"}
@@ -198,7 +193,7 @@ def test_busy_machine_judges_only_counts(
         elif unjudged.met is not None:
             assert target.met is None
             assert target.verdict == f"not judged: machine busy ({shown})"
-    assert sum(target.kind == "time" for target in judged) == 5
+    assert sum(target.kind == "time" for target in judged) == 6
     # The rendered report follows the machine the run measured.
     measured_on(report, monkeypatch, (before, after), own, stall)
     text = _report.format_report(report)
@@ -249,7 +244,7 @@ def test_a_run_writes_its_folder_and_prints_the_paths(
         assert str(Path("bench-results", folder.name, name)) in printed
     assert "done:" in err  # the progress bar went to stderr
     data = json.loads((folder / "results.json").read_text())
-    assert len(data["targets"]) == 8
+    assert len(data["targets"]) == 9
     summary = (folder / "summary.md").read_text()
     assert summary.startswith(f"# Cancel latency, {folder.name}")
     assert "## Against the baselines" in summary
@@ -318,13 +313,7 @@ def test_plot(bench: ModuleType, report: Any, tmp_path: Path) -> None:
 DISAGG_APPROACHES = ("trio-sglang", "first-response", "prefill-abort")
 
 
-@pytest.fixture(scope="module")
-def disagg() -> Iterator[ModuleType]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        import disagg_cancel
-
-        yield disagg_cancel
+disagg = benchmark_fixture("disagg_cancel")
 
 
 @pytest.fixture(scope="module")
