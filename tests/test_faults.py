@@ -229,7 +229,9 @@ async def test_a_stream_that_fails_over_http_ends_with_a_502_event_not_a_500(
     assert "the engine failed while generating gen-" in error.pop("message")
     assert error == {"type": "server_error", "param": None, "code": "engine_error"}
     assert events[-1] == "data: [DONE]"
-    assert len(events) == 4  # two chunks, the error, the end
+    # The engine's two outputs as two chunks, or as one when the client was behind
+    # (serve coalesces a backlog); then the error and the end.
+    assert len(events) - 2 in (1, 2)
     assert 'trio_sglang_engine_faults_total{kind="stream_error"} 1.0' in metrics
     assert 'trio_sglang_requests_total{endpoint="/generate",outcome="failed"} 1.0' in metrics
 
