@@ -19,7 +19,7 @@ import json
 import subprocess
 import sys
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -396,13 +396,13 @@ def test_a_kill_a_stop_or_a_closed_generator_stops_the_engine_at_once(how: str) 
     async def scenario(bridge: RequestBridge, loop: asyncio.AbstractEventLoop) -> None:
         nonlocal taken
         context = StandInContext(loop)
-        chunks: AsyncIterator[dict[str, Any]] = bridge.generate(request(10_000), context)
+        chunks: AsyncGenerator[dict[str, Any], None] = bridge.generate(request(10_000), context)
         async for chunk in chunks:
             taken += len(chunk["token_ids"])
             if taken >= 5:
                 break
         if how == "close":
-            await chunks.aclose()  # type: ignore[attr-defined]  # the runtime's GeneratorExit
+            await chunks.aclose()  # the runtime's GeneratorExit
         else:
             context.fire(kill=how == "kill")
             async for _ in chunks:  # the stream ends
@@ -443,7 +443,7 @@ def test_a_generator_the_runtime_drops_in_its_own_thread_still_stops_the_engine(
     assert engine.event_counts()["abort_applied"] == 1
 
 
-@pytest.mark.dynamo  # the runtime's own EngineShutdown is what the frontend gets
+@pytest.mark.usefixtures("dynamo_errors")  # the runtime's EngineShutdown reaches the frontend
 def test_a_request_after_close_ends_with_engine_shutdown_and_reaches_nothing() -> None:
     engine = sim()
 
@@ -594,13 +594,13 @@ def test_a_text_stream_killed_stopped_or_closed_mid_stream_stops_the_engine(how:
     async def scenario(bridge: RequestBridge, loop: asyncio.AbstractEventLoop) -> None:
         context = StandInContext(loop)
         body = chat_request(max_tokens=10_000, stream=True)
-        chunks: AsyncIterator[dict[str, Any]] = bridge.generate(body, context)
+        chunks: AsyncGenerator[dict[str, Any], None] = bridge.generate(body, context)
         async for chunk in chunks:
             taken.extend(words([chunk]))
             if len(taken) >= 5:
                 break
         if how == "close":
-            await chunks.aclose()  # type: ignore[attr-defined]  # the runtime's GeneratorExit
+            await chunks.aclose()  # the runtime's GeneratorExit
         else:
             context.fire(kill=how == "kill")
             async for chunk in chunks:  # the stream ends, no choice finished

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any, Literal, Protocol
 
 import trio
@@ -91,7 +91,7 @@ class RequestBridge:
 
     async def generate(
         self, request: Mapping[str, Any], context: DynamoContext
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Dynamo's handler: the request's chunks, as Dynamo's own SGLang worker yields them."""
         exchange = Exchange(self._loop, self._mode.merge)
         ctx = RequestContext(context.id())

@@ -49,8 +49,8 @@ class AsyncioHost(Protocol):
         ...
 
 
-class _GuestHost:
-    """trio as a guest of a uvloop: an asyncio call is an asyncio task this trio call owns."""
+class _LoopHost:
+    """The asyncio loop both hosts run the runtime on."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -58,6 +58,10 @@ class _GuestHost:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
+
+
+class _GuestHost(_LoopHost):
+    """trio as a guest of a uvloop: an asyncio call is an asyncio task this trio call owns."""
 
     async def aio(self, call: Callable[[], Awaitable[T]]) -> T:
         token = trio.lowlevel.current_trio_token()
@@ -76,13 +80,8 @@ class _GuestHost:
         return task.result()
 
 
-class _TrioAsyncioHost:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
+class _TrioAsyncioHost(_LoopHost):
+    """trio-asyncio's loop inside the trio run: an asyncio call is awaited through it."""
 
     async def aio(self, call: Callable[[], Awaitable[T]]) -> T:
         import trio_asyncio
