@@ -1,6 +1,6 @@
-"""The one entry point: ``nox -s tests``, ``sglang``, ``dynamo``, ``fuzz``, ``lint``,
-``typecheck``, ``mutants``, ``bench``, ``load``, ``router-cancel``, ``serve``, ``bench-endpoint``,
-``demo``.
+"""The one entry point: ``nox -s tests``, ``sglang``, ``real-engine``, ``dynamo``, ``fuzz``,
+``lint``, ``typecheck``, ``mutants``, ``bench``, ``load``, ``router-cancel``, ``serve``,
+``bench-endpoint``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -9,6 +9,7 @@ what a user gets; arguments after ``--`` are passed through.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import nox
 
@@ -37,7 +38,7 @@ def install_dynamo(session: nox.Session, *extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite (pytest-trio, MockClock; loopback only; no GPU, no SGLang)."""
     install(session, "test")
-    session.run("pytest", "-m", "not sglang and not dynamo", *session.posargs)
+    session.run("pytest", "-m", "not sglang and not dynamo and not real_engine", *session.posargs)
 
 
 @nox.session
@@ -60,23 +61,51 @@ def fuzz(session: nox.Session) -> None:
     )
 
 
-@nox.session
-def sglang(session: nox.Session) -> None:
-    """Conformance with the real SGLang TokenizerManager, on a CPU-only machine.
+def install_sglang_cpu(session: nox.Session, *extras: str) -> None:
+    """SGLang on a CPU-only machine, and the project with ``extras``.
 
     SGLang itself goes in with --no-deps (its full requirements pull the CUDA
     stack) beside the packages it needs at import time; torch is pinned in
     that same command, or pip would swap it for another build. The project
     goes in with ``asyncio`` (trio-asyncio), the part of the ``sglang`` extra
-    that is not SGLang itself, and ``bench-dynamo``: with Dynamo 1.6.1's own
-    SGLang handler (``ai-dynamo``, --no-deps as well) the tests run a quick
-    form of the harness benchmark beside it.
+    that is not SGLang itself, and ``bench-dynamo``: Dynamo 1.6.1's own SGLang
+    handler (``ai-dynamo``, --no-deps as well), which the harness runs beside
+    trio-sglang.
     """
     session.install("torch==2.14.1", "torchvision==0.29.1", "-r", "requirements/sglang-cpu.txt")
     session.install("--no-deps", "sglang==0.5.23")
-    install(session, "test", "asyncio", "bench-dynamo")
+    install(session, "test", "asyncio", "bench-dynamo", *extras)
     session.install("--no-deps", *DYNAMO_FRONTEND)
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """Conformance with the real SGLang TokenizerManager against a stand-in scheduler.
+
+    Also a quick form of the harness benchmark, beside Dynamo 1.6.1's handler.
+    """
+    install_sglang_cpu(session)
     session.run("pytest", "-m", "sglang", "-s", *session.posargs)
+
+
+@nox.session(name="real-engine")
+def real_engine(session: nox.Session) -> None:
+    """The whole ``sglang.Engine`` on this CPU (no GPU): every lifecycle check on its scheduler.
+
+    Installs what ``sglang`` does, plus Dynamo's runtime and frontend, and builds
+    the tiny local model into ``.nox/real-engine/tiny-llama`` (also with
+    ``--install-only``; then ``.nox/real-engine/bin/trio-sglang serve --engine
+    sglang --model-path .nox/real-engine/tiny-llama --device cpu`` serves it).
+    Then the ``real_engine`` tests (each engine in a process of its own) and
+    ``scripts/gpu_smoke.py --device cpu``. About 3 min to install, 2 to run.
+    """
+    install_sglang_cpu(session, "dynamo")
+    session.install(*DYNAMO_FRONTEND_NEEDS)
+    model = Path(session.virtualenv.location) / "tiny-llama"
+    build = "import sys; from trio_sglang.harness import build_tiny_model as b; b(sys.argv[1])"
+    session.run_install("python", "-c", build, str(model))
+    session.run("pytest", "-m", "real_engine", *session.posargs)
+    session.run("python", "scripts/gpu_smoke.py", "--model-path", str(model), "--device", "cpu")
 
 
 @nox.session
@@ -124,6 +153,10 @@ def serve(session: nox.Session) -> None:
 SHARED_BENCH_FLAGS = frozenset({"--quick", "--full", "-h", "--help"})
 
 
+#: Flags of ``nox -s bench`` itself, each adding a benchmark (and what it installs).
+BENCH_ADDITIONS = frozenset({"--dynamo", "--real-engine"})
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """The main job: cancel latency (about 2 min), a prefill/decode pair (about 50 s), then
@@ -137,10 +170,18 @@ def bench(session: nox.Session) -> None:
     ``--streams``, ...): run them directly.
     ``-- --dynamo`` also installs the dynamo extra with Dynamo's frontend and runs
     ``dynamo_cancel.py`` (behind Dynamo; about 2 min, 1 with ``--quick``) into dynamo.json.
+    ``-- --real-engine`` also installs SGLang for the CPU (as ``real-engine`` does) and
+    runs the cancel benchmark on the whole ``sglang.Engine``: trio-sglang beside
+    Dynamo 1.6.1's own handler, then SGLang's own HTTP server beside ``serve``
+    (about 8 min, 4 with ``--quick``) into real_engine.json.
     """
-    args = [arg for arg in session.posargs if arg != "--dynamo"]
-    dynamo = len(args) < len(session.posargs)
-    if dynamo:
+    args = [arg for arg in session.posargs if arg not in BENCH_ADDITIONS]
+    dynamo = "--dynamo" in session.posargs
+    real_engine = "--real-engine" in session.posargs
+    if real_engine:
+        install_sglang_cpu(session, "serve", "bench", *(("dynamo",) if dynamo else ()))
+        session.install(*DYNAMO_FRONTEND_NEEDS)
+    elif dynamo:
         install_dynamo(session, "serve", "bench", "asyncio")  # both hosts
     else:
         install(session, "serve", "bench")
@@ -154,11 +195,21 @@ def bench(session: nox.Session) -> None:
     shared = [arg for arg in args if arg in SHARED_BENCH_FLAGS]
     session.run("python", "benchmarks/disagg_cancel.py", *shared, *out)
     session.run("python", "benchmarks/serve_throughput.py", *shared, *out)
+    folder = out[-1].removeprefix("--out=")
+    quick = ["--quick"] if "--quick" in args else []
     if dynamo:
-        folder = out[-1].removeprefix("--out=")
-        quick = ["--quick"] if "--quick" in args else []
         session.run(
             "python", "benchmarks/dynamo_cancel.py", *quick, "--json", f"{folder}/dynamo.json"
+        )
+    if real_engine:
+        session.run(
+            "python",
+            "benchmarks/cancel_latency.py",
+            "--engine",
+            "sglang-engine",
+            *quick,
+            "--json",
+            f"{folder}/real_engine.json",
         )
 
 

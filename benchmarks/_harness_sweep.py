@@ -1,4 +1,4 @@
-"""The sweep on the real SGLang TokenizerManager (``--engine sglang-harness``), with Dynamo's code.
+"""The sweep on the real SGLang (``--engine sglang-harness``, ``sglang-engine``), with Dynamo's.
 
 Each cancel runs as one scenario in the harness's host process: SGLang
 0.5.23's real TokenizerManager against the stand-in scheduler, the request
@@ -11,6 +11,12 @@ cancel, the caller's stream ending, and the scheduler's log of what it
 received and applied. One stream at a time: the harness runs scenarios in
 turn. After each request the host waits (bounded) until the TokenizerManager
 holds nothing, so a request that nobody stopped is counted to its end.
+
+``--engine sglang-engine`` runs the same sweep on the whole ``sglang.Engine``
+on the CPU (its real scheduler, detokenizer and the tiny model's forward):
+the host then taps the TokenizerManager's sockets, so "the scheduler's abort"
+is its output finishing the request with ``abort``, and an abort is lost when
+it went out before its request (the scheduler keeps no tombstone).
 
 Then the SimEngine's ``poll-then-abort`` runs the same scenarios
 (``_harness_sim.py``, on a MockClock) and ``check_model`` sets each of its
@@ -43,6 +49,13 @@ FIRST_TOKEN_DELAY = 0.05
 TOKEN_INTERVAL = 0.02
 MAX_NEW_TOKENS = 40
 REQUEST = {"text": "hello world", "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS}}
+#: On the whole engine: the tiny model decodes hundreds of tokens a second, so a
+#: request nobody stopped is seen decoding for a second (its EOS ignored).
+REAL_MAX_NEW_TOKENS = 400
+REAL_REQUEST = {
+    "text": "hello world",
+    "sampling_params": {"max_new_tokens": REAL_MAX_NEW_TOKENS, "ignore_eos": True},
+}
 #: The longest the host waits after a request for the TokenizerManager to hold nothing.
 WAIT_IDLE = 5.0
 #: A model's abort delay agrees with the real one within this (ms), or this share of it.
@@ -56,10 +69,10 @@ class HarnessPhase:
     tokenize_delay: float
     why: str
 
-    def scenario(self, index: int) -> Scenario:
+    def scenario(self, index: int, request: dict[str, Any] = REQUEST) -> Scenario:
         return Scenario(
             f"{self.name}-{index}",
-            REQUEST,
+            request,
             "tokens",
             self.cancel,
             tokenize_delay=self.tokenize_delay,
@@ -95,21 +108,29 @@ HARNESS_PHASES: dict[str, HarnessPhase] = {
 }
 
 
-async def run_harness_sweep(repeats: int, callers: Sequence[Caller]) -> list[dict[str, Any]]:
-    """One row per (caller, phase), the callers taking turns cancel by cancel."""
+async def run_harness_sweep(
+    repeats: int, callers: Sequence[Caller], *, real_engine: bool = False
+) -> list[dict[str, Any]]:
+    """One row per (caller, phase), the callers taking turns cancel by cancel.
+
+    ``real_engine``: on the whole ``sglang.Engine`` instead of the stand-in scheduler.
+    """
     seen: dict[tuple[Caller, str], list[Observation]] = {}
+    request = REAL_REQUEST if real_engine else REQUEST
     async with open_sglang_harness(
         first_token_delay=FIRST_TOKEN_DELAY,
         token_interval=TOKEN_INTERVAL,
         dynamo="dynamo-1.6" in callers,
+        real_engine=real_engine,
     ) as harness:
         for phase in HARNESS_PHASES.values():
             for i in range(repeats):
                 for caller in callers:
                     with trio.fail_after(60):
-                        observed = await harness.run(phase.scenario(i), caller)
+                        observed = await harness.run(phase.scenario(i, request), caller)
                     seen.setdefault((caller, phase.name), []).append(observed)
-    return [_row(caller, "sglang-harness", phase, runs) for (caller, phase), runs in seen.items()]
+    engine = "sglang-engine" if real_engine else "sglang-harness"
+    return [_row(caller, engine, phase, runs) for (caller, phase), runs in seen.items()]
 
 
 async def run_model_sweep(repeats: int) -> list[dict[str, Any]]:
@@ -145,7 +166,19 @@ def _abort_delay_ms(seen: Observation) -> float:
     return seen.abort_delay * 1e3
 
 
+def _lost(events: list[str]) -> bool:
+    """An abort that went out before its request (the stand-in says so; the real one cannot)."""
+    if "abort_lost" in events:
+        return True
+    return (
+        "abort" in events
+        and "request" in events
+        and events.index("abort") < events.index("request")
+    )
+
+
 def _row(approach: str, engine: str, phase: str, runs: list[Observation]) -> dict[str, Any]:
+    held = [s.scheduler_held_after for s in runs if s.scheduler_held_after is not None]
     return {
         "approach": approach,
         "engine": engine,
@@ -157,9 +190,11 @@ def _row(approach: str, engine: str, phase: str, runs: list[Observation]) -> dic
         ),
         "abort_delay_ms": percentiles([_abort_delay_ms(s) for s in runs]),
         "sent_to_scheduler": sum(_reached(s) for s in runs),
-        "aborts_lost": sum(events.count("abort_lost") for s in runs for events in s.scheduler),
+        "aborts_lost": sum(_lost(events) for s in runs for events in s.scheduler),
         "not_stopped": sum(_reached(s) and not _stopped(s) for s in runs),
         "leaked": sum(s.registered_after for s in runs),
+        # What the scheduler still held after the settle, by its own load (whole engine only).
+        **({"scheduler_held": sum(held)} if held else {}),
         "wasted_tokens": percentiles([float(s.tokens_after_cancel) for s in runs]),
     }
 
@@ -220,9 +255,21 @@ def format_harness(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> 
     def pair(stats: dict[str, float | None]) -> str:
         return f"{_short(stats['p50'])} / {_short(stats['p99'])}"
 
+    real = any(row["engine"] == "sglang-engine" for row in rows)
+    about = (
+        [
+            "the whole sglang.Engine on this CPU (its scheduler, the tiny model), one stream at a",
+            "time, p50 / p99 in ms; abort delay: to the scheduler's output finishing it with abort",
+        ]
+        if real
+        else [
+            "real TokenizerManager + stand-in scheduler, one stream at a time, p50 / p99 in ms;",
+            "poll-then-abort: the SimEngine's model of dynamo-1.6 in the same scenarios "
+            "(MockClock)",
+        ]
+    )
     lines = [
-        "real TokenizerManager + stand-in scheduler, one stream at a time, p50 / p99 in ms;",
-        "poll-then-abort: the SimEngine's model of dynamo-1.6 in the same scenarios (MockClock)",
+        *about,
         "",
         f"{'phase':<19} {'approach':<15} {'n':>3} {'stream end':>13} {'abort delay':>13} "
         f"{'sent':>4} {'lost':>4} {'unstop':>6} {'leak':>4} wasted",

@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -270,16 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--engine",
-        choices=["sim", "sglang-harness"],
+        choices=["sim", "sglang-harness", "sglang-engine"],
         default="sim",
         help="sglang-harness: the smaller sweep on the real TokenizerManager (sglang extra), "
-        "beside Dynamo 1.6.1's own SGLang handler (bench-dynamo extra)",
+        "beside Dynamo 1.6.1's own SGLang handler (bench-dynamo extra); sglang-engine: the "
+        "same on the whole sglang.Engine on this CPU, then clients leaving SGLang's own HTTP "
+        "server and trio-sglang's serve, each on such an engine",
     )
     parser.add_argument(
         "--repeats",
         type=int,
         default=20,
-        help="cancels per phase and approach with --engine sglang-harness",
+        help="cancels per phase and approach with --engine sglang-harness or sglang-engine",
     )
     return parser
 
@@ -347,7 +350,7 @@ class _LogCounter(logging.Handler):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.engine == "sglang-harness":
+    if args.engine in ("sglang-harness", "sglang-engine"):
         return harness_main(args)
     config = config_from_args(args)
     plot_error = _plot_error()  # known now, not after the run
@@ -408,10 +411,13 @@ def save_results(
 
 
 def harness_main(args: argparse.Namespace) -> int:
+    """The sweeps on the real SGLang: its TokenizerManager (``sglang-harness``), or the whole
+    engine on the CPU (``sglang-engine``), where the model check gives way to the servers'."""
+    real = args.engine == "sglang-engine"
     if importlib.util.find_spec("sglang") is None:
         print(
-            "cancel_latency.py: error: --engine sglang-harness needs SGLang "
-            "(the environment `nox -s sglang` builds)",
+            f"cancel_latency.py: error: --engine {args.engine} needs SGLang "
+            "(the environment `nox -s sglang` or `nox -s real-engine` builds)",
             file=sys.stderr,
         )
         return 2
@@ -427,28 +433,48 @@ def harness_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     load_before, started, cpu_started = os.getloadavg()[0], time.perf_counter(), _cpu_seconds()
-    rows = trio.run(run_harness_sweep, repeats, callers)
+    rows = trio.run(partial(run_harness_sweep, repeats, callers, real_engine=real))
     # The host and its scheduler are waited for: their CPU time is in ours now.
     own_load = (_cpu_seconds() - cpu_started) / (time.perf_counter() - started)
     load_after = os.getloadavg()[0]
-    rows += trio.run(run_model_sweep, repeats, clock=MockClock(autojump_threshold=0))
+    servers: list[dict[str, Any]] = []
+    if real:
+        servers = _server_rows(repeats)
+    else:
+        rows += trio.run(run_model_sweep, repeats, clock=MockClock(autojump_threshold=0))
     # No stall figure: one stream at a time has no batch of cancels for a stall to delay.
     state = judge_machine(load_before, load_after, cores(), own_load, 0.0)
-    checks = check_model(rows, state)
+    checks = [] if real else check_model(rows, state)
     print(format_harness(rows, checks))
+    if servers:
+        from _server_sweep import format_servers
+
+        print(f"\n{format_servers(servers)}")
     quiet = f"machine quiet (load {state.load:.2f} on {state.cores} cores)"
     print(f"\n{quiet if state.quiet else state.verdict}")
     if args.json is not None:
         loads = {"before": load_before, "after": load_after, "ours": own_load}
-        report = {
+        report: dict[str, Any] = {
             "results": rows,
-            "model_check": checks,
+            **({"servers": servers} if real else {"model_check": checks}),
             "machine_state": {"quiet": state.quiet, "load": round(state.load, 2), **loads},
             "versions": _versions("sglang", "ai-dynamo", "ai-dynamo-runtime"),
         }
         args.json.write_text(json.dumps({**report, "machine": machine()}, indent=2))
         print(f"JSON: {args.json}")
     return 0
+
+
+def _server_rows(repeats: int) -> list[dict[str, Any]]:
+    """SGLang's own HTTP server and ``serve``, each on the whole engine and the tiny model."""
+    import tempfile
+
+    from _server_sweep import run_server_sweep
+    from trio_sglang.harness import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="servers-") as scratch:
+        folder = Path(scratch)
+        return run_server_sweep(build_tiny_model(folder / "tiny-llama"), folder, repeats)
 
 
 def _versions(*distributions: str) -> dict[str, str | None]:

@@ -22,6 +22,7 @@ from ._disagg import PrefillFailed
 from ._engines import EngineOptions, open_engine
 from ._limits import API_KEY_ENV, ServerLimits
 from ._policy import AbortPolicy
+from ._sglang_args import add_sglang_options, sglang_installed, wants_sglang
 from ._version import __version__
 from .bench_endpoint._options import add_options as add_bench_endpoint_options
 from .sim import SimDisaggTiming
@@ -62,7 +63,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """trio-sglang's parser; for ``argv`` (the command line it will parse), with SGLang's
+    server arguments on ``serve`` and ``dynamo-worker`` when it asks for ``--engine sglang``,
+    or for help where SGLang is installed (``_sglang_args.py``)."""
     parser = argparse.ArgumentParser(
         prog="trio-sglang",
         description="Cancel SGLang generation requests correctly and fast.",
@@ -98,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["sim", "sglang"],
         default="sim",
-        help="sim: the embedded SimEngine, no GPU; sglang: SGLang's engine in this process, "
-        "with the sglang extra on a GPU machine",
+        help=_ENGINE_HELP,
     )
     serve.add_argument(
         "--model-path",
@@ -149,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--disaggregation-bootstrap-port, 8998 unless set)",
     )
     _add_sim_options(serve)
-    _add_dynamo_worker(commands)
+    worker = _add_dynamo_worker(commands)
+    for command in (serve, worker):
+        _add_sglang_group(command, argv)
     bench = commands.add_parser(
         "bench-endpoint",
         help="how fast any serving endpoint lets go of clients that leave, from its own metrics",
@@ -159,7 +164,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_dynamo_worker(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+#: ``--engine``'s help, the same on both commands that take it.
+_ENGINE_HELP = (
+    "sim: the embedded SimEngine, no GPU; sglang: SGLang's own engine in this process (the "
+    "sglang extra), on a GPU or, with --device cpu, on this CPU; it takes SGLang's server "
+    "arguments, listed below where SGLang is installed"
+)
+
+
+def _add_sglang_group(command: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """SGLang's server arguments on ``command``, when ``argv`` needs them (importing is slow)."""
+    helping = any(token in ("-h", "--help") for token in argv)
+    if wants_sglang(argv) or (helping and sglang_installed()):
+        command.set_defaults(sglang_options=add_sglang_options(command, argv))
+        return
+    command.set_defaults(sglang_options=None)
+    if helping:
+        command.add_argument_group(
+            "SGLang's server arguments (with --engine sglang): every flag of python -m "
+            "sglang.launch_server. Not listed: SGLang is not installed here"
+        )
+
+
+def _add_dynamo_worker(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     worker = commands.add_parser(
         "dynamo-worker",
         help="a backend of NVIDIA Dynamo's runtime: its frontend and router send the requests, "
@@ -174,8 +203,7 @@ def _add_dynamo_worker(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "--engine",
         choices=["sim", "sglang"],
         default="sim",
-        help="sim: the embedded SimEngine, no GPU; sglang: SGLang's engine in this process, "
-        "with the sglang extra on a GPU machine",
+        help=_ENGINE_HELP,
     )
     worker.add_argument(
         "--model-input",
@@ -213,7 +241,8 @@ def _add_dynamo_worker(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "pending engine-side cleanup gets it again",
     )
     _add_sim_options(worker)
-    worker.set_defaults(disaggregation_mode=None, chat_template=None)
+    worker.set_defaults(disaggregation_mode=None)
+    return worker
 
 
 def _add_limits(serve: argparse.ArgumentParser) -> None:
@@ -415,7 +444,13 @@ _DESCRIPTORS_KEPT = 128
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_sglang(argv) and not sglang_installed():
+        return _refuse(
+            "--engine sglang needs SGLang: pip install 'trio-sglang[sglang]' (a GPU machine), "
+            "or SGLang's CPU-importable parts (docs/engines.md; nox -s real-engine installs them)"
+        )
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         commands = {
@@ -498,10 +533,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
         if not args.model_path:
             return _refuse("--engine sglang needs --model-path")
-        if any(importlib.util.find_spec(name) is None for name in ("sglang", "trio_asyncio")):
-            return _refuse(
-                "--engine sglang needs SGLang: pip install 'trio-sglang[sglang]' (a GPU machine)"
-            )
+        if importlib.util.find_spec("trio_asyncio") is None:
+            return _refuse("--engine sglang needs trio-asyncio: pip install 'trio-sglang[asyncio]'")
     elif args.chat_template is not None:
         return _refuse("--chat-template goes with --engine sglang")
     if args.prefill_url is not None and args.disaggregation_mode != "decode":
@@ -608,11 +641,13 @@ async def _serve_until_stopped(
 
 
 def _engine_options(args: argparse.Namespace) -> EngineOptions:
+    options = args.sglang_options
+    mode = args.disaggregation_mode
     return EngineOptions(
         kind=args.engine,
-        disaggregation_mode=args.disaggregation_mode,
-        model_path=args.model_path,
-        chat_template=args.chat_template,
+        # SGLang's own flag says "null" for an aggregated server (dynamo-worker takes it so).
+        disaggregation_mode=mode if mode in ("prefill", "decode") else None,
+        sglang_args={} if options is None else options.server_args(args),
         sim_args={
             "tokenize_delay": args.sim_tokenize_delay,
             "dispatch_delay": args.sim_dispatch_delay,

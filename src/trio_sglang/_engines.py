@@ -32,10 +32,9 @@ class EngineOptions:
     kind: EngineKind = "sim"
     #: SGLang's ``--disaggregation-mode``: one side of a prefill/decode pair.
     disaggregation_mode: DisaggregationMode | None = None
-    #: The model SGLang loads (``kind="sglang"``).
-    model_path: str | None = None
-    #: SGLang's ``--chat-template`` (``kind="sglang"``): a Jinja file or a template name.
-    chat_template: str | None = None
+    #: SGLang's server arguments (``kind="sglang"``), ``model_path`` among them, as
+    #: ``sglang.Engine`` takes them; ``disaggregation_mode`` among them for a PD role.
+    sglang_args: Mapping[str, Any] = field(default_factory=dict)
     #: ``SimEngine`` arguments (its delays, ``disagg_timing``); its defaults where absent.
     sim_args: Mapping[str, Any] = field(default_factory=dict)
 
@@ -50,16 +49,11 @@ async def open_engine(
     """
     mode = options.disaggregation_mode
     if options.kind == "sglang":
-        if options.model_path is None:
+        if not options.sglang_args.get("model_path"):
             raise ValueError("an SGLang engine needs a model_path")
         # SGLang runs its own bootstrap server (--disaggregation-bootstrap-port).
         disagg: dict[str, Any] = {} if mode is None else {"disaggregation_mode": mode}
-        yield (
-            SGLangEngine(
-                model_path=options.model_path, chat_template=options.chat_template, **disagg
-            ),
-            None,
-        )
+        yield SGLangEngine(**{**options.sglang_args, **disagg}), None
         return
     async with AsyncExitStack() as stack:
         rooms: KVRooms | None = None

@@ -28,17 +28,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from ._engine import RequestPhase
 from ._phase_poller import PhasePoller
 from ._sglang_chat import SGLangChat
+from ._sglang_cpu import prepare_cpu_engine, with_cpu_defaults
 
 __all__ = ["SGLangEngine"]
+
+T = TypeVar("T")
+
+#: Seconds SGLang's own shutdown (it stops the scheduler and detokenizer processes) may take.
+_SHUTDOWN_TIMEOUT = 10.0
 
 
 def _trio_asyncio() -> Any:
@@ -59,11 +67,14 @@ class SGLangEngine:
 
     Give exactly one of: ``engine`` (an ``sglang.Engine`` you own),
     ``tokenizer_manager`` (a ``TokenizerManager`` built without an Engine, as
-    the GPU-free harness does), or SGLang server arguments
-    (``model_path=...``), in which case ``running()`` launches an
-    ``sglang.Engine`` (blocking while the model loads) and shuts it down at
-    the end. ``poll_interval`` (seconds) is how often the engine looks at the
-    registry for the requests that ``wait_phase_change`` callers wait on.
+    the GPU-free harness does), or SGLang server arguments (``model_path=...``
+    and any other ``ServerArgs`` field, as ``sglang.Engine`` takes them), in
+    which case ``running()`` launches an ``sglang.Engine`` in a thread (the
+    trio loop goes on while the model loads) and shuts it down at the end.
+    With ``device="cpu"`` that is SGLang's CPU engine, prepared here before
+    SGLang is imported (``_sglang_cpu.py``), with CPU defaults under the
+    arguments given. ``poll_interval`` (seconds) is how often the engine looks
+    at the registry for the requests that ``wait_phase_change`` callers wait on.
     """
 
     def __init__(
@@ -82,11 +93,17 @@ class SGLangEngine:
         if not (isinstance(poll_interval, int | float) and 0 < poll_interval < math.inf):
             raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
         _trio_asyncio()  # now, rather than at the first request
+        if server_args.get("device") == "cpu":
+            prepare_cpu_engine()
+            server_args = with_cpu_defaults(server_args)
         self._engine = engine
         self._tm = tokenizer_manager if tokenizer_manager is not None else None
         self._server_args = server_args
         self._poller = PhasePoller(self.phase, float(poll_interval))
         self._running = False
+        #: trio-asyncio's loop while running: given to every call into SGLang, because a
+        #: task that a host started from asyncio (Dynamo's handlers) finds no current loop.
+        self._loop: Any = None
         #: rid -> phase, from what the streams saw (only used without a registry).
         self._seen: dict[str, RequestPhase] = {}
         self._chat: SGLangChat | None = None  # made at the first chat request
@@ -102,17 +119,15 @@ class SGLangEngine:
         trio_asyncio = _trio_asyncio()
         if self._running:
             raise RuntimeError("this SGLangEngine is already running")
-        launched = False
-        if self._tm is None:
-            if self._engine is None:
-                import sglang
-
-                self._engine = sglang.Engine(**self._server_args)
-                launched = True
-            self._tm = self._engine.tokenizer_manager
         self._running = True
         try:
-            async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            async with (
+                self._launched(),
+                trio_asyncio.open_loop() as loop,
+                trio.open_nursery() as nursery,
+            ):
+                self._loop = loop
+                await self._in_asyncio(self._start_receiving)(loop)
                 nursery.start_soon(self._poller.run)
                 try:
                     yield
@@ -120,9 +135,56 @@ class SGLangEngine:
                     nursery.cancel_scope.cancel()
         finally:
             self._running = False
-            if launched:
-                # SGLang's shutdown kills the processes it launched.
-                self._engine.shutdown()
+            self._loop = None
+
+    @asynccontextmanager
+    async def _launched(self) -> AsyncIterator[None]:
+        """The ``sglang.Engine`` made of the server arguments, for the block (if that is this one).
+
+        A thread of its own launches it, holds it and shuts it down: SGLang's
+        scheduler and detokenizer processes die with the thread that started
+        them (``PR_SET_PDEATHSIG``), so that thread must outlive the engine,
+        which a pooled worker thread does not. The close waits at most
+        ``_SHUTDOWN_TIMEOUT``; after that the thread finishes the shutdown alone.
+        """
+        if self._tm is not None or self._engine is not None:
+            if self._tm is None:
+                self._tm = self._engine.tokenizer_manager
+            yield
+            return
+        stop = threading.Event()
+        try:
+            async with trio.open_nursery() as holder:
+                self._engine = await holder.start(_hold_engine, self._server_args, stop)
+                self._tm = self._engine.tokenizer_manager
+                try:
+                    yield
+                finally:
+                    stop.set()
+                    holder.cancel_scope.deadline = trio.current_time() + _SHUTDOWN_TIMEOUT
+        finally:
+            self._engine = self._tm = None  # shut down: the next running() launches anew
+
+    def _in_asyncio(self, fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        """``fn`` (asyncio) as a trio call on this engine's loop (it must be running)."""
+        if self._loop is None:
+            raise RuntimeError("the SGLang engine is not running")
+        wrapped: Callable[..., Awaitable[T]] = _trio_asyncio().aio_as_trio(fn, loop=self._loop)
+        return wrapped
+
+    async def _start_receiving(self, loop: Any) -> None:
+        """Start the TokenizerManager's receive loop on trio-asyncio's loop, now.
+
+        SGLang starts it at the first request and, in the main thread, takes
+        SIGTERM for its own graceful exit (which ends by killing the process
+        tree) through the loop's signal handlers, that is through
+        ``signal.signal``: the process's owner (``serve``'s ordered shutdown,
+        a trio program's own handler) would never see it. Starting it here
+        lets SIGTERM go back at once; SIGQUIT, which SGLang's children send
+        when one of them fails, stays SGLang's.
+        """
+        self.tokenizer_manager.auto_create_handle_loop()
+        loop.remove_signal_handler(signal.SIGTERM)
 
     def features(self) -> Mapping[str, object]:
         from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
@@ -148,14 +210,21 @@ class SGLangEngine:
             **({"context_length": context_len} if isinstance(context_len, int) else {}),
         }
 
+    @property
+    def template_manager(self) -> Any:
+        """The template manager an ``sglang.Engine`` loaded its ``--chat-template`` into.
+
+        ``None`` over a bare ``tokenizer_manager``: SGLang's chat route then
+        uses the model's own template.
+        """
+        return getattr(self._engine, "template_manager", None)
+
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], *, continue_final_message: bool = False
     ) -> str | list[int]:
         """The prompt SGLang's chat route makes of ``messages`` (token ids for a text model)."""
         if self._chat is None:
-            # The template manager an sglang.Engine loaded its --chat-template into.
-            templates = getattr(self._engine, "template_manager", None)
-            self._chat = SGLangChat(self.tokenizer_manager, templates)
+            self._chat = SGLangChat(self.tokenizer_manager, self.template_manager)
         return self._chat.render(messages, continue_final_message=continue_final_message)
 
     def generate(self, request: Mapping[str, Any]) -> _SGLangStream:
@@ -185,11 +254,51 @@ class SGLangEngine:
         self.tokenizer_manager.abort_request(rid=rid)
         await trio.lowlevel.checkpoint()
 
+    def scheduler_requests(self) -> int:
+        """Running plus waiting requests, from the load snapshot SGLang's scheduler publishes.
+
+        The scheduler publishes it as batches run and at once when it goes
+        idle, so a request left decoding shows here until it ends.
+        """
+        reader = getattr(self._tm, "load_snapshot_reader", None)
+        if reader is None:
+            return 0
+        return sum(load.num_running_reqs + load.num_waiting_reqs for load in reader.read_all())
+
     def live_requests(self) -> int:
         registry = getattr(self._tm, "rid_to_state", None)
         if isinstance(registry, Mapping):
             return len(registry)
         return sum(p is not RequestPhase.ABSENT for p in self._seen.values())
+
+
+async def _hold_engine(
+    server_args: Mapping[str, Any],
+    stop: threading.Event,
+    *,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Launch an ``sglang.Engine`` in a thread, report it started, and shut it down on ``stop``.
+
+    Never in trio's thread: importing ``sglang.srt.entrypoints.engine`` sets
+    uvloop's event loop policy, which trio-asyncio refuses inside trio ("You
+    can't change the event loop policy in Trio context") and allows, for that
+    thread alone, in any other. The launch blocks until the model is loaded
+    and the scheduler is ready (seconds to minutes); the trio loop goes on.
+    Abandoned if cancelled: the thread then ends the engine by itself.
+    """
+
+    def hold() -> None:
+        from sglang.srt.entrypoints.engine import Engine
+
+        engine = Engine(**server_args)
+        try:
+            trio.from_thread.run_sync(task_status.started, engine)
+            stop.wait()
+        finally:
+            engine.shutdown()  # stops SGLang's processes, and waits for them
+
+    await trio.to_thread.run_sync(hold, abandon_on_cancel=True)
 
 
 class _SGLangStream:
@@ -207,7 +316,6 @@ class _SGLangStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        aio_as_trio = _trio_asyncio().aio_as_trio
         if self._closed:
             raise StopAsyncIteration
         if self._agen is None:
@@ -217,7 +325,7 @@ class _SGLangStream:
             self._agen = tm.generate_request(GenerateReqInput(**self._request), None)
             self._note(self._request["rid"], RequestPhase.REGISTERED)
         try:
-            out: dict[str, Any] = await aio_as_trio(self._agen.__anext__)()
+            out: dict[str, Any] = await self._engine._in_asyncio(self._agen.__anext__)()
         except StopAsyncIteration:
             self._closed = True
             self._note(self._request["rid"], RequestPhase.ABSENT)
@@ -229,11 +337,10 @@ class _SGLangStream:
         return self._incremental(out)
 
     async def aclose(self) -> None:
-        aio_as_trio = _trio_asyncio().aio_as_trio
         if self._agen is not None and not self._closed:
             self._closed = True
             # A no-op if the generator already finished (its release path ran).
-            await aio_as_trio(self._agen.aclose)()
+            await self._engine._in_asyncio(self._agen.aclose)()
             self._note(self._request["rid"], RequestPhase.ABSENT)
         self._closed = True
         await trio.lowlevel.checkpoint()

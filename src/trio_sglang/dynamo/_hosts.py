@@ -81,12 +81,18 @@ class _GuestHost(_LoopHost):
 
 
 class _TrioAsyncioHost(_LoopHost):
-    """trio-asyncio's loop inside the trio run: an asyncio call is awaited through it."""
+    """trio-asyncio's loop inside the trio run: an asyncio call is awaited through it.
+
+    On this loop by name: a trio task finds as its current loop the innermost
+    one opened around where it was started, and ``SGLangEngine`` opens one of
+    its own inside the worker; the runtime's calls must not end up on that one,
+    which closes with the engine, before the runtime does.
+    """
 
     async def aio(self, call: Callable[[], Awaitable[T]]) -> T:
         import trio_asyncio
 
-        result: T = await trio_asyncio.aio_as_trio(_awaited)(call)
+        result: T = await trio_asyncio.aio_as_trio(_awaited, loop=self._loop)(call)
         return result
 
 

@@ -13,6 +13,10 @@ and through SGLang's own, and gives back what each fed the scheduler. With
 ``dynamo=True`` a scenario can also run through NVIDIA Dynamo 1.6.1's own
 SGLang handler on the same TokenizerManager (``caller="dynamo-1.6"``), and
 ``observe_caller`` runs a scenario through any caller's ``CallerStream``.
+With ``real_engine=True`` there is no stand-in: the host runs the whole
+``sglang.Engine`` on the CPU (``SGLangEngine(device="cpu")``), sees its real
+scheduler through a tap on the TokenizerManager's sockets (``_tap.py``), and
+reports what the scheduler still held by its own load snapshot.
 ``open_tokenizer_manager`` is the harness's start-up on its own (the
 TokenizerManager and the stand-in scheduler, in the calling process), for a
 process that serves SGLang some other way: the serving benchmark runs SGLang's

@@ -142,11 +142,16 @@ class DynamoHandler:
         """What Dynamo's frontend sends for a text prompt: its token ids and the stop conditions."""
         text = request.get("text")
         params = request.get("sampling_params") or {}
-        if not isinstance(text, str) or set(params) - {"max_new_tokens"}:
-            raise ValueError("the Dynamo handler takes one text prompt and max_new_tokens only")
+        if not isinstance(text, str) or set(params) - {"max_new_tokens", "ignore_eos"}:
+            raise ValueError(
+                "the Dynamo handler takes one text prompt, max_new_tokens and ignore_eos only"
+            )
+        stop = {"max_tokens": params.get("max_new_tokens")}
+        if "ignore_eos" in params:  # the frontend's stop condition, which the handler maps
+            stop["ignore_eos"] = params["ignore_eos"]
         return {
             "token_ids": self._tm.tokenizer.encode(text),
-            "stop_conditions": {"max_tokens": params.get("max_new_tokens")},
+            "stop_conditions": stop,
             "sampling_options": {},
         }
 

@@ -93,6 +93,7 @@ async def open_sglang_harness(
     disagg: DisaggSetup | None = None,
     chat_template: str | None = None,
     dynamo: bool = False,
+    real_engine: bool = False,
     start_timeout: float = 300.0,
 ) -> AsyncIterator[SGLangHarness]:
     """Start the host process (real TokenizerManager, stand-in scheduler) and stop it after.
@@ -106,6 +107,10 @@ async def open_sglang_harness(
     ``chat_template`` is SGLang's ``--chat-template`` (a Jinja file or a name).
     ``dynamo`` also opens Dynamo 1.6.1's SGLang handler in the host (the
     ``bench-dynamo`` extra and ``ai-dynamo``), for ``run(..., caller="dynamo-1.6")``.
+    ``real_engine`` runs the whole ``sglang.Engine`` on the CPU instead of the
+    stand-in scheduler (its own timing: the two delays do not apply); each
+    observation then also says what the scheduler still held
+    (``Observation.scheduler_held_after``).
     """
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(scratch) if workdir is None else workdir
@@ -124,6 +129,7 @@ async def open_sglang_harness(
                 *(() if disagg is None else ("--disagg", disagg.to_text())),
                 *(() if chat_template is None else ("--chat-template", chat_template)),
                 *(("--dynamo",) if dynamo else ()),
+                *(("--real-engine",) if real_engine else ()),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import trio
 
@@ -38,6 +38,7 @@ __all__ = [
     "RidRecorder",
     "Scenario",
     "SchedulerEvent",
+    "Watched",
     "observe_caller",
     "run_scenario",
     "sim_scheduler_events",
@@ -117,6 +118,9 @@ class Observation:
     stream_close: float | None = None
     abort_delay: float | None = None
     tokens_after_cancel: int = 0
+    #: Requests the scheduler itself still ran or queued at the end, where it says
+    #: (the whole ``sglang.Engine``: its load snapshot); None where it cannot.
+    scheduler_held_after: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,6 +183,20 @@ class RidRecorder:
         return self.engine.live_requests()
 
 
+class Watched(Protocol):
+    """Where a scenario reads its request's phase (to time a cancel) and what is still held.
+
+    An ``Engine`` is one (by the request's rid); a harness host may watch
+    otherwise, for requests whose rid SGLang never registers (``n > 1``).
+    """
+
+    def phase(self, rid: str) -> RequestPhase: ...
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase: ...
+
+    def live_requests(self) -> int: ...
+
+
 @dataclass(frozen=True, eq=False)
 class CallerStream:
     """One request's stream as a scenario's caller holds it, whoever serves it.
@@ -211,17 +229,24 @@ async def run_scenario(
     *,
     settle: float = 0.3,
     clock: Callable[[], float] = trio.current_time,
+    watch: Watched | None = None,
 ) -> Observation:
     """Run ``scenario`` on a worker opened over ``recorder``.
 
     ``settle`` (seconds) lets aborts and echoes land before the engine is
     observed; ``clock`` must be the clock the scheduler's events are stamped
-    with.
+    with; ``watch`` is where the request's phase is read (the recorder's
+    engine by default).
     """
     if scenario.trap is None:
         open_stream = partial(_worker_stream, worker, recorder, scenario.output)
         return await observe_caller(
-            open_stream, recorder, scenario, scheduler_events, settle=settle, clock=clock
+            open_stream,
+            recorder if watch is None else watch,
+            scenario,
+            scheduler_events,
+            settle=settle,
+            clock=clock,
         )
     seen = Observation()
     await _run_trap(recorder.engine, scenario, seen)
@@ -232,7 +257,7 @@ async def run_scenario(
 
 async def observe_caller(
     open_stream: OpenCaller,
-    engine: Engine,
+    engine: Watched,
     scenario: Scenario,
     scheduler_events: Callable[[], list[SchedulerEvent]],
     *,
@@ -252,7 +277,7 @@ async def observe_caller(
     return seen
 
 
-async def _settle(engine: Engine, scenario: Scenario, settle: float) -> None:
+async def _settle(engine: Watched, scenario: Scenario, settle: float) -> None:
     """Bounded: the idle wait, then the settle. The engine announces nothing when it
     holds nothing any more, so the idle wait looks at it every ``_IDLE_POLL``."""
     if scenario.wait_idle > 0:
@@ -292,18 +317,18 @@ async def _worker_stream(
     ctx = RequestContext("conformance-ctx")
     async with worker.generate(request, ctx, output=output) as chunks:
         rid = recorder.last_rid
+        assert rid is not None
 
         async def engine_rid() -> str:
-            assert isinstance(rid, str), "a single request has one rid"
             await trio.lowlevel.checkpoint()
-            return rid
+            return rid if isinstance(rid, str) else rid[0]  # a batch: its first prompt's
 
         yield CallerStream(chunks, output, ctx.kill, engine_rid)
 
 
 async def _run_request(
     open_stream: OpenCaller,
-    engine: Engine,
+    engine: Watched,
     scenario: Scenario,
     seen: Observation,
     clock: Callable[[], float],
@@ -345,7 +370,7 @@ async def _run_request(
 
 
 async def _at_phase(
-    engine: Engine,
+    engine: Watched,
     rid: Callable[[], Awaitable[str]],
     target: RequestPhase,
     delay: float,
@@ -357,7 +382,7 @@ async def _at_phase(
     action()
 
 
-async def _reach_phase(engine: Engine, rid: str, target: RequestPhase) -> None:
+async def _reach_phase(engine: Watched, rid: str, target: RequestPhase) -> None:
     with trio.fail_after(10):
         phase = engine.phase(rid)
         while phase is not target:

@@ -1,11 +1,13 @@
-"""A tiny local Llama model directory, built offline, for hosting a real TokenizerManager.
+"""A tiny local Llama model directory, built offline, for the real SGLang without a GPU.
 
 SGLang's ``TokenizerManager`` insists on a model directory: it reads the model
-config and loads the tokenizer (and its chat template) from it. The tests that
-run the real TokenizerManager against the stand-in scheduler never run the
-model, so the smallest valid Llama will do; building it here (a BPE tokenizer
-trained on a few sentences, a 2-layer random-weight model with a fixed seed)
-keeps the tests off the network and independent of any model hub.
+config and loads the tokenizer (and its chat template) from it. Against the
+stand-in scheduler the model never runs; the whole ``sglang.Engine`` on a CPU
+runs its forward, hundreds of tokens a second for this one. Either way what
+is tested is cancellation, not the words, so the smallest valid Llama will
+do; building it here (a BPE tokenizer trained on a few sentences, a 2-layer
+random-weight model with a fixed seed) keeps the tests off the network and
+independent of any model hub.
 
 torch, transformers and tokenizers are imported inside ``build_tiny_model`` so
 that this module, and the harness package, import without the sglang extra.
@@ -27,11 +29,12 @@ __all__ = ["build_tiny_model"]
 #: Written last, so its presence (with this content) means every other file is complete.
 #: Bump the version when the recipe changes, so stale directories are rebuilt.
 _MARKER = ".trio-sglang-tiny-model"
-_MARKER_CONTENT = "trio-sglang tiny llama v2\n"
+_MARKER_CONTENT = "trio-sglang tiny llama v3\n"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 _VOCAB_SIZE = 320
+_POSITIONS = 8192
 _SEED = 0
 _CORPUS = (
     "hello world the quick brown fox jumps over the lazy dog",
@@ -139,7 +142,9 @@ def _random_llama(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        # Room for long generations on the real engine: a request that is never
+        # stopped then decodes for seconds, which nobody can mistake for a stop.
+        max_position_embeddings=_POSITIONS,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         dtype="float32",

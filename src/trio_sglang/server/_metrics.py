@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from .._faults import EngineFault
 from .._worker import Worker
 
-__all__ = ["CancelPhase", "CountsEvents", "RefusalReason", "ServerMetrics"]
+__all__ = ["CancelPhase", "CountsEvents", "RefusalReason", "SchedulerLoad", "ServerMetrics"]
 
 CancelPhase = Literal["before_headers", "before_first_token", "mid_stream"]
 Outcome = Literal["completed", "aborted", "cancelled", "rejected", "failed", "shutdown"]
@@ -46,6 +46,21 @@ class CountsEvents(Protocol):
 
     def event_counts(self) -> Mapping[str, int]:
         """Events so far per kind, every kind (zeros too, so each series exists at once)."""
+        ...
+
+
+@runtime_checkable
+class SchedulerLoad(Protocol):
+    """An engine whose scheduler publishes what it holds, as SGLang's does (its load snapshot).
+
+    Exported as ``trio_sglang_scheduler_requests``: the requests the scheduler
+    itself is running or queueing, beside the tokenizer side's count
+    (``trio_sglang_engine_live_requests``). Decoding for a client that left
+    shows here, and nowhere else.
+    """
+
+    def scheduler_requests(self) -> int:
+        """Running plus waiting requests, as the scheduler last published them."""
         ...
 
 
@@ -128,6 +143,13 @@ class ServerMetrics:
         self.engine_live.set_function(worker.engine.live_requests)
         if isinstance(worker.engine, CountsEvents):
             self.registry.register(_EngineEvents(worker.engine))
+        if isinstance(worker.engine, SchedulerLoad):
+            Gauge(
+                "trio_sglang_scheduler_requests",
+                "Requests the engine's scheduler runs or queues, as it last published them "
+                "(SGLang's load snapshot).",
+                registry=self.registry,
+            ).set_function(worker.engine.scheduler_requests)
 
     def watch_kv_rooms(self, rooms: Sized) -> None:
         """A prefill server's KV rooms (its bootstrap server): ``trio_sglang_kv_rooms``.

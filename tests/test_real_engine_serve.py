@@ -1,0 +1,170 @@
+"""``trio-sglang serve --engine sglang --device cpu``: the real engine over real HTTP.
+
+One server process for the module, started as a user starts it (SGLang's own
+flags on the command line, nothing in the environment), over the tiny local
+model. Each test judges by the real scheduler, from outside the process:
+``trio_sglang_scheduler_requests`` in ``/metrics`` is what SGLang's scheduler
+publishes it runs or queues, and it must be back at 0 at once after a client
+disconnects, is stopped, or is aborted by id, long before a request nobody
+stopped would end (it asks for seconds of decoding). Marker ``real_engine``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
+
+import psutil  # one of SGLang's requirements
+
+from _processes import Process, start_workers
+from trio_sglang.harness import build_tiny_model
+
+pytestmark = pytest.mark.real_engine
+
+#: Seconds of decoding on this CPU (hundreds of tokens a second): nobody mistakes it for a stop.
+LONG = {"max_new_tokens": 3000, "ignore_eos": True}
+#: The most a stop may take to empty the scheduler, as the server sees it (loopback, a
+#: 0.1 s heartbeat for a silent stream, the abort's trip): a fraction of the decode above.
+STOPPED_WITHIN = 2.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, str]]:
+    folder = tmp_path_factory.mktemp("real-engine-serve")
+    model = build_tiny_model(folder / "tiny-llama")
+    [(process, url)] = start_workers(
+        ["real-engine"],
+        folder,
+        "--engine",
+        "sglang",
+        "--model-path",
+        str(model),
+        "--device",
+        "cpu",
+        "--max-running-requests",
+        "16",
+        timeout=240,
+    )
+    try:
+        yield process, url
+    finally:
+        process.stop(timeout=30)
+
+
+def gauge(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match is not None, f"/metrics has no {name}"
+    return float(match.group(1))
+
+
+def scheduler_holds(url: str) -> float:
+    return gauge(url, "trio_sglang_scheduler_requests")
+
+
+def wait_idle(url: str, within: float) -> float:
+    """Seconds until the scheduler and the tokenizer side hold nothing; fails after ``within``."""
+    started = time.monotonic()
+    while scheduler_holds(url) or gauge(url, "trio_sglang_engine_live_requests"):
+        assert time.monotonic() - started < within, "the real scheduler still holds a request"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def decoding_within(url: str, within: float) -> None:
+    """Until the scheduler publishes that it runs the request (it publishes every few steps)."""
+    started = time.monotonic()
+    while scheduler_holds(url) != 1:
+        assert time.monotonic() - started < within, "the scheduler never showed the request"
+        time.sleep(0.01)
+
+
+def events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in response.iter_lines():
+        if line.startswith("data: {"):
+            yield json.loads(line.removeprefix("data: "))
+
+
+def test_the_server_came_up_on_sglangs_flags_and_the_real_engine(
+    server: tuple[Process, str],
+) -> None:
+    _, url = server
+    capabilities = httpx.get(f"{url}/capabilities", timeout=5).json()
+    assert capabilities["engine"]["kind"] == "sglang"
+    assert capabilities["features"]["cancel_before_first_output_v1"] is True
+    assert scheduler_holds(url) == 0
+
+
+def test_a_whole_answer_streams_and_leaves_nothing(server: tuple[Process, str]) -> None:
+    _, url = server
+    body = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        chunks = list(events(response))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["id"].startswith("cmpl-") for c in chunks)
+    wait_idle(url, STOPPED_WITHIN)
+
+
+def test_a_client_that_disconnects_stops_the_real_scheduler(server: tuple[Process, str]) -> None:
+    _, url = server
+    body = {"text": "hello world", "sampling_params": LONG, "stream": True}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as response:
+        stream = events(response)
+        next(stream), next(stream)
+        decoding_within(url, STOPPED_WITHIN)  # for the client, still here
+    wait_idle(url, STOPPED_WITHIN)
+
+
+def test_abort_request_by_public_id_stops_the_real_scheduler(server: tuple[Process, str]) -> None:
+    _, url = server
+    body = {"text": "hello world", "sampling_params": LONG, "stream": True, "rid": "user-7"}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as response:
+        stream = events(response)
+        next(stream)
+        # A prefix of its id touches nothing (SGLang's own matches by prefix).
+        missed = httpx.post(f"{url}/abort_request", json={"rid": "user-"}, timeout=5).json()
+        assert missed == {"found": False, "aborted": 0}
+        decoding_within(url, STOPPED_WITHIN)
+        found = httpx.post(f"{url}/abort_request", json={"rid": "user-7"}, timeout=5).json()
+        assert found == {"found": True, "aborted": 1}
+        rest = list(stream)
+    assert rest[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert {chunk["meta_info"]["id"] for chunk in rest} == {"user-7"}
+    wait_idle(url, STOPPED_WITHIN)
+
+
+def test_parallel_samples_and_a_batch_leave_nothing_when_the_client_goes(
+    server: tuple[Process, str],
+) -> None:
+    _, url = server
+    for body in (
+        {"text": "hi", "sampling_params": {**LONG, "n": 3}, "stream": True},
+        {"text": ["hi", "there"], "sampling_params": LONG, "stream": True},
+    ):
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as response:
+            stream = events(response)
+            next(stream), next(stream)
+        wait_idle(url, STOPPED_WITHIN)
+
+
+def test_sigterm_ends_the_server_and_sglangs_processes(server: tuple[Process, str]) -> None:
+    """Last in the module: it stops the server. SGLang must not take SIGTERM for itself."""
+    process, url = server
+    sglang = psutil.Process(process.pid).children(recursive=True)
+    assert sglang, "SGLang's scheduler and detokenizer are the server's children"
+    body = {"text": "hello world", "sampling_params": LONG, "stream": True}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as response:
+        next(events(response))
+        process.stop(timeout=30)  # SIGTERM: the open stream ends, then the engine
+        assert process.wait(0) == 0, process.tail()
+    assert "shutting down" in process.output()  # serve's ordered shutdown, not SGLang's
+    _, alive = psutil.wait_procs(sglang, timeout=10)
+    assert not alive, f"SGLang's processes outlived the server: {alive}"
