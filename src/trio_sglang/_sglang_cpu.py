@@ -12,7 +12,9 @@ have to know:
   none of the eight is ever called. The project ships an import-only stand-in
   (``_sgl_kernel_standin/``) and puts it on the path, for this process and
   for the scheduler and detokenizer processes SGLang spawns, only when no real
-  ``sgl_kernel`` can be imported: a real one is never shadowed.
+  ``sgl_kernel`` can be imported: a working one is never shadowed, and a CUDA
+  build that cannot load on this machine (what a full ``pip install sglang``
+  brings) is.
 - A few server arguments that suit a CPU (``CPU_DEFAULTS``), each overridden
   by the same argument given explicitly.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,23 +73,40 @@ def prepare_cpu_engine() -> None:
         )
     if _real_kernels_importable():
         return
+    # First on the path: what it can shadow is an sgl_kernel that does not load here.
     root = str(_STANDIN_ROOT)
     if root not in sys.path:
-        sys.path.append(root)  # last: nothing already importable is shadowed
+        sys.path.insert(0, root)
     # SGLang's scheduler and detokenizer are processes of their own.
     inherited = os.environ.get("PYTHONPATH", "")
     if root not in inherited.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (inherited, root) if p)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, inherited) if p)
+
+
+#: The longest a check that an installed ``sgl_kernel`` loads may take (it loads torch).
+_IMPORT_CHECK_TIMEOUT = 120.0
 
 
 def _real_kernels_importable() -> bool:
-    """Whether an ``sgl_kernel`` other than the stand-in can be imported here."""
+    """Whether an ``sgl_kernel`` other than the stand-in can be imported here.
+
+    One that is installed is tried in a process of its own: its import loads
+    compiled libraries (a CUDA build fails to, without a GPU), and a failed
+    one must leave nothing behind in this process.
+    """
     loaded = sys.modules.get("sgl_kernel")
     if loaded is not None:
         return not getattr(loaded, "TRIO_SGLANG_STANDIN", False)
     spec = importlib.util.find_spec("sgl_kernel")
-    return (
-        spec is not None
-        and spec.origin is not None
-        and _STANDIN_ROOT not in Path(spec.origin).parents
-    )
+    if spec is None or spec.origin is None or _STANDIN_ROOT in Path(spec.origin).parents:
+        return False
+    try:
+        tried = subprocess.run(
+            [sys.executable, "-c", "import sgl_kernel"],
+            capture_output=True,
+            timeout=_IMPORT_CHECK_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return tried.returncode == 0

@@ -163,7 +163,8 @@ class SGLangEngine:
                     stop.set()
                     holder.cancel_scope.deadline = trio.current_time() + _SHUTDOWN_TIMEOUT
         finally:
-            self._engine = self._tm = None  # shut down: the next running() launches anew
+            # Shut down: the next running() launches anew.
+            self._engine = self._tm = self._chat = None
 
     def _in_asyncio(self, fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         """``fn`` (asyncio) as a trio call on this engine's loop (it must be running)."""
