@@ -33,7 +33,15 @@ from _http_servers_cpu import SLOW_PROMPT
 from _metrics import percentiles
 from _subprocesses import Process, free_port, wait_until
 
-__all__ = ["SERVER_PHASES", "format_servers", "run_server_sweep"]
+__all__ = [
+    "SERVER_PHASES",
+    "Server",
+    "format_servers",
+    "leave",
+    "run_server_sweep",
+    "started",
+    "watch",
+]
 
 HERE = Path(__file__).resolve().parent
 MAX_NEW_TOKENS = 400
@@ -51,7 +59,7 @@ SERVER_PHASES: dict[str, tuple[str, float, int]] = {
 
 
 @dataclass(frozen=True)
-class _Server:
+class Server:
     name: str
     url: str
     holds: Callable[[], int]
@@ -75,7 +83,7 @@ def _serve_holds(url: str) -> Callable[[], int]:
 
 
 @contextmanager
-def _started(name: str, model: Path, folder: Path) -> Iterator[_Server]:
+def started(name: str, model: Path, folder: Path) -> Iterator[Server]:
     port = free_port()
     flags = ["--model-path", str(model), "--port", str(port)]
     if name == "sglang-server":
@@ -88,7 +96,7 @@ def _started(name: str, model: Path, folder: Path) -> Iterator[_Server]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(f"{name} to answer", lambda: _healthy(url), 300, process)
-        yield _Server(name, url, holds(url))
+        yield Server(name, url, holds(url))
     finally:
         process.stop(timeout=30)
 
@@ -100,7 +108,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _leave(server: _Server, phase: str) -> float:
+def leave(server: Server, phase: str) -> float:
     """One client, gone at ``phase``; the moment it closed (``time.monotonic``)."""
     prompt, after, chunks = SERVER_PHASES[phase]
     params = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
@@ -122,7 +130,7 @@ def _leave(server: _Server, phase: str) -> float:
         return time.monotonic()
 
 
-def _watch(server: _Server, left: float) -> tuple[float, bool, bool]:
+def watch(server: Server, left: float) -> tuple[float, bool, bool]:
     """From ``left``: seconds until the scheduler last showed the request, seen, still there."""
     last_busy, seen = left, False
     while (now := time.monotonic()) - left < WINDOW:
@@ -138,11 +146,11 @@ def _watch(server: _Server, left: float) -> tuple[float, bool, bool]:
 def run_server_sweep(model: Path, folder: Path, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for name in ("sglang-server", "trio-sglang-serve"):
-        with _started(name, model, folder) as server:
-            _leave(server, "mid_stream")  # a warm-up, not counted
-            _watch(server, time.monotonic())
+        with started(name, model, folder) as server:
+            leave(server, "mid_stream")  # a warm-up, not counted
+            watch(server, time.monotonic())
             for phase in SERVER_PHASES:
-                runs = [_watch(server, _leave(server, phase)) for _ in range(repeats)]
+                runs = [watch(server, leave(server, phase)) for _ in range(repeats)]
                 rows.append(_row(name, phase, runs))
     return rows
 

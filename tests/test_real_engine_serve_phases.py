@@ -40,7 +40,7 @@ def sweep() -> Iterator[Any]:
 def server(sweep: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     folder = tmp_path_factory.mktemp("real-engine-phases")
     model = build_tiny_model(folder / "tiny-llama")
-    with sweep._started("trio-sglang-serve", model, folder) as started:
+    with sweep.started("trio-sglang-serve", model, folder) as started:
         yield started
 
 
@@ -48,7 +48,7 @@ def test_a_client_gone_during_a_slow_tokenization_never_reaches_the_scheduler(
     sweep: Any, server: Any
 ) -> None:
     for _ in range(3):
-        _, ran, left = sweep._watch(server, sweep._leave(server, "slow_tokenization"))
+        _, ran, left = sweep.watch(server, sweep.leave(server, "slow_tokenization"))
         assert (ran, left) == (False, False)
 
 
@@ -58,6 +58,6 @@ def test_a_client_gone_at_send_or_mid_stream_is_stopped_at_once(
 ) -> None:
     """Stopped within a fraction of the request's decode (400 tokens: about a second)."""
     for _ in range(3):
-        until_idle, _, left = sweep._watch(server, sweep._leave(server, phase))
+        until_idle, _, left = sweep.watch(server, sweep.leave(server, phase))
         assert not left
         assert until_idle < 0.5, until_idle
