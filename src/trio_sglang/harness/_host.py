@@ -51,7 +51,7 @@ import trio
 from .._engine import RequestPhase
 from .._policy import AbortPolicy
 from .._sglang_engine import SGLangEngine
-from .._worker import Worker, open_worker
+from .._worker import open_worker
 from ._chat import observe_chat
 from ._peer import DisaggSetup
 from ._protocol import ANSWER
@@ -209,9 +209,7 @@ async def _serve(
             tm, engine.template_manager if templates is None else templates
         )
 
-        async def run(
-            worker: Worker, handler: DynamoHandler | None, command: dict[str, Any]
-        ) -> dict[str, Any]:
+        async def run(handler: DynamoHandler | None, command: dict[str, Any]) -> dict[str, Any]:
             if command["op"] == "chat":
                 chat = await observe_chat(
                     worker, engine, sglang_chat, command["body"], view.prompts_since_now
@@ -242,7 +240,7 @@ async def _serve(
                 if command["op"] == "quit":
                     break
                 try:
-                    _answer(await run(worker, handler, command))
+                    _answer(await run(handler, command))
                 except Exception as exc:
                     _answer({"error": _described(exc)})
 
