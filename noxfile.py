@@ -1,6 +1,6 @@
-"""The one entry point: ``nox -s tests``, ``sglang``, ``real-engine``, ``dynamo``, ``fuzz``,
-``lint``, ``typecheck``, ``mutants``, ``bench``, ``load``, ``router-cancel``, ``serve``,
-``bench-endpoint``, ``demo``.
+"""The one entry point: ``nox -s tests``, ``sglang``, ``sglang-matrix``, ``real-engine``,
+``dynamo``, ``fuzz``, ``lint``, ``typecheck``, ``mutants``, ``bench``, ``load``,
+``router-cancel``, ``serve``, ``bench-endpoint``, ``demo``.
 
 Every session installs the project from its own extras, so what nox runs is
 what a user gets; arguments after ``--`` are passed through.
@@ -8,6 +8,9 @@ what a user gets; arguments after ``--`` are passed through.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -88,6 +91,83 @@ def sglang(session: nox.Session) -> None:
     session.run("pytest", "-m", "sglang", "-s", *session.posargs)
 
 
+#: Each SGLang release ``sglang-matrix`` runs, with what its TokenizerManager needs that
+#: differs from the ``sglang`` session's packages: 0.5.14 to 0.5.19 fail to import beside
+#: transformers 5.19 (``'qwen3_asr' is already used``), and transformers 5.12.1 wants
+#: tokenizers 0.22. 0.5.23 is the session's own.
+SGLANG_RELEASES: dict[str, tuple[str, ...]] = {
+    "0.5.10": (),
+    "0.5.14": ("transformers==5.12.1", "tokenizers==0.22.2"),
+    "0.5.17": ("transformers==5.12.1", "tokenizers==0.22.2"),
+    "0.5.19": ("transformers==5.12.1", "tokenizers==0.22.2"),
+    "0.5.21": (),
+    "0.5.23": (),
+}
+#: The release before 0.5.20 whose whole engine ``real-engine`` also runs.
+REAL_ENGINE_OLDER = "0.5.19"
+#: Releases whose TokenizerManager imports ``sgl_kernel`` at load (0.5.10's
+#: ``sgl_kernel.kvcacheio``): they get trio-sglang's import-only stand-in for it.
+SGLANG_KERNEL_STANDIN = frozenset({"0.5.10"})
+
+
+@nox.session(name="sglang-matrix")
+def sglang_matrix(session: nox.Session) -> None:
+    """The ``sglang`` session's tests on each release of ``SGLANG_RELEASES``, one after another.
+
+    ``-- 0.5.19 0.5.23`` runs those releases only; ``-- --servers`` also runs
+    ``benchmarks/release_servers.py`` on each (SGLang's own server beside
+    ``serve``, clients leaving; about 2 min a release), into
+    ``.nox/sglang-matrix/release-servers/<release>.json``; other arguments go to
+    pytest. torch and the rest are installed once, as for ``sglang``; each other
+    release goes into a folder of its own (``pip --target``, 60 to 300 MB with
+    the packages it needs) that is put first on ``PYTHONPATH``, for the harness's
+    processes too. About 4 min a release; stops at the first that fails.
+    """
+    servers = "--servers" in session.posargs
+    named = [arg for arg in session.posargs if re.fullmatch(r"\d+\.\d+\.\d+\S*", arg)]
+    unknown = [arg for arg in named if arg not in SGLANG_RELEASES]
+    if unknown:
+        session.error(
+            f"not in SGLANG_RELEASES: {', '.join(unknown)} (known: {', '.join(SGLANG_RELEASES)})"
+        )
+    pytest_args = [arg for arg in session.posargs if arg not in (*named, "--servers")]
+    install_sglang_cpu(session)
+    releases = Path(session.virtualenv.location) / "releases"
+    for release in named or list(SGLANG_RELEASES):
+        paths = [] if release == "0.5.23" else [str(releases / release)]
+        if paths:
+            _install_release(session, releases / release, release)
+        if release in SGLANG_KERNEL_STANDIN:
+            paths.append(str(Path("src/trio_sglang/_sgl_kernel_standin").resolve()))
+        session.log(f"SGLang {release}")
+        env = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
+        session.run("pytest", "-m", "sglang", *pytest_args, env=env)
+        if servers:
+            out = Path(session.virtualenv.location) / "release-servers" / f"{release}.json"
+            session.run("python", "benchmarks/release_servers.py", "--json", str(out), env=env)
+
+
+def _install_release(session: nox.Session, target: Path, release: str) -> None:
+    """SGLang ``release`` and its packages into ``target``, unless the same recipe is there."""
+    recipe = " ".join((f"sglang=={release}", *SGLANG_RELEASES[release]))
+    mark = target / ".trio-sglang-recipe"
+    if mark.exists() and mark.read_text() == recipe:
+        return
+    shutil.rmtree(target, ignore_errors=True)
+    session.run_install(
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--target",
+        str(target),
+        *recipe.split(),
+    )
+    mark.write_text(recipe)
+
+
 @nox.session(name="real-engine")
 def real_engine(session: nox.Session) -> None:
     """The whole ``sglang.Engine`` on this CPU (no GPU): every lifecycle check on its scheduler.
@@ -97,7 +177,9 @@ def real_engine(session: nox.Session) -> None:
     ``--install-only``; then ``.nox/real-engine/bin/trio-sglang serve --engine
     sglang --model-path .nox/real-engine/tiny-llama --device cpu`` serves it).
     Then the ``real_engine`` tests (each engine in a process of its own) and
-    ``scripts/gpu_smoke.py --device cpu``. About 3 min to install, 2 to run.
+    ``scripts/gpu_smoke.py --device cpu``, then the lifecycle checks again on
+    SGLang 0.5.19's whole engine (``REAL_ENGINE_OLDER``, installed as
+    ``sglang-matrix`` installs it). About 3 min to install, 3 to run.
     """
     install_sglang_cpu(session, "dynamo")
     session.install(*DYNAMO_FRONTEND_NEEDS)
@@ -106,6 +188,14 @@ def real_engine(session: nox.Session) -> None:
     session.run_install("python", "-c", build, str(model))
     session.run("pytest", "-m", "real_engine", *session.posargs)
     session.run("python", "scripts/gpu_smoke.py", "--model-path", str(model), "--device", "cpu")
+    # The same lifecycle checks on an older release's whole engine, whose close forgets
+    # a dispatched request instead of aborting it.
+    older = Path(session.virtualenv.location) / "releases" / REAL_ENGINE_OLDER
+    _install_release(session, older, REAL_ENGINE_OLDER)
+    session.log(f"SGLang {REAL_ENGINE_OLDER}")
+    session.run(
+        "pytest", "-m", "real_engine", "tests/test_real_engine.py", env={"PYTHONPATH": str(older)}
+    )
 
 
 @nox.session

@@ -23,7 +23,7 @@ from typing import Any
 
 from trio_sglang._sglang_cpu import CPU_DEFAULTS, prepare_cpu_engine
 
-__all__ = ["SLOW_PROMPT", "cpu_flags", "main"]
+__all__ = ["SLOW_PROMPT", "cpu_flags", "main", "slow_down"]
 
 #: A prompt that starts so is tokenized late (``--slow-tokenize``).
 SLOW_PROMPT = "slowly: "
@@ -38,7 +38,8 @@ def cpu_flags() -> list[str]:
     return flags
 
 
-def _slow_down(delay: float) -> None:
+def slow_down(delay: float) -> None:
+    """From now on, SGLang tokenizes a prompt that starts with ``SLOW_PROMPT`` ``delay`` s late."""
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     original = TokenizerManager._tokenize_one_request
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     flags = [flag for flag in args.flags if flag != "--"]
     prepare_cpu_engine()
-    _slow_down(args.slow_tokenize)
+    slow_down(args.slow_tokenize)
     if args.server == "trio-sglang":
         from trio_sglang._cli import main as trio_sglang
 

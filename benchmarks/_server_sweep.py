@@ -36,6 +36,7 @@ from _subprocesses import Process, free_port, wait_until
 __all__ = [
     "SERVER_PHASES",
     "Server",
+    "close_after",
     "format_servers",
     "leave",
     "run_server_sweep",
@@ -112,21 +113,27 @@ def leave(server: Server, phase: str) -> float:
     """One client, gone at ``phase``; the moment it closed (``time.monotonic``)."""
     prompt, after, chunks = SERVER_PHASES[phase]
     params = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
-    body = json.dumps({"text": prompt, "sampling_params": params, "stream": True}).encode()
-    host, port = server.url.removeprefix("http://").split(":")
+    return close_after(server.url, {"text": prompt, "sampling_params": params}, after, chunks)
+
+
+def close_after(url: str, body: dict[str, Any], after: float, chunks: int) -> float:
+    """A streaming ``/generate`` of ``body`` over a raw socket, closed ``after`` s from the
+    send and ``chunks`` data chunks in; the moment it closed (``time.monotonic``)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
     head = (
         f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
     ).encode()
     with socket.create_connection((host, int(port)), timeout=30) as client:
-        client.sendall(head + body)
+        client.sendall(head + data)
         time.sleep(after)
         seen = b""
         while seen.count(b"data: {") < chunks:
-            data = client.recv(65536)
-            if not data:
+            received = client.recv(65536)
+            if not received:
                 break
-            seen += data
+            seen += received
         return time.monotonic()
 
 

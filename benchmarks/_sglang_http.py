@@ -1,32 +1,44 @@
-"""SGLang's own HTTP server on a CPU: its app and TokenizerManager, over the stand-in scheduler.
+"""An HTTP server on the real TokenizerManager and the stand-in scheduler: SGLang's, or ``serve``.
 
-    python benchmarks/_sglang_http.py --workdir DIR --token-interval S [--first-token-delay S]
+    python benchmarks/_sglang_http.py --workdir DIR --token-interval S \
+        [--first-token-delay S] [--slow-tokenize S] [--server {sglang,trio-sglang}]
 
-What ``serve_throughput.py --sglang`` measures beside ``serve`` and the floor.
-SGLang 0.5.23's own server, started as ``launch_server`` starts it
+What ``serve_throughput.py --sglang`` measures beside ``serve`` and the floor,
+and what ``release_servers.py`` compares on each SGLang release. SGLang's own
+server (the default) is started as ``launch_server`` starts it
 (``_setup_and_run_http_server``: its FastAPI app, its OpenAI handlers, its
-warm-up, uvicorn on uvloop), with the real ``TokenizerManager`` built as the
-GPU-free harness builds it (``trio_sglang.harness.open_tokenizer_manager``)
-and the harness's stand-in scheduler in place of the GPU scheduler and the
-detokenizer: a process of its own, whose CPU is not the server's, as a GPU
-scheduler's is not. The stand-in sends a token every ``--token-interval`` s
-per request, already detokenized, as SGLang's detokenizer would.
+warm-up, uvicorn on uvloop); ``--server trio-sglang`` is trio-sglang's
+``serve`` over ``SGLangEngine``. Either runs on the real ``TokenizerManager``
+built as the GPU-free harness builds it (``trio_sglang.harness.open_tokenizer_manager``,
+for whichever SGLang release is installed) and the harness's stand-in
+scheduler in place of the GPU scheduler and the detokenizer: a process of its
+own, whose CPU is not the server's, as a GPU scheduler's is not. The stand-in
+sends a token every ``--token-interval`` s per request, already detokenized,
+as SGLang's detokenizer would, and logs what it did to ``DIR/scheduler-*.jsonl``.
 
-It prints ``serving sglang on http://HOST:PORT`` once SGLang's warm-up is
-done (the line ``_load_server`` waits for; ``/health`` answers from then
-on), and stops on SIGINT or SIGTERM. Needs the ``sglang`` extra, and what
-SGLang's HTTP server imports beside it (``soundfile``, ``python-multipart``).
+A prompt that starts with ``_http_servers_cpu.SLOW_PROMPT`` is tokenized
+``--slow-tokenize`` s late. SGLang's server also answers ``GET
+/trio_sglang/states`` with ``{"states": N}``, the size of its TokenizerManager's
+``rid_to_state`` (``serve`` has the ``trio_sglang_engine_live_requests`` gauge).
+
+It prints ``serving sglang on http://HOST:PORT`` (or ``serving trio-sglang``)
+once the server answers (the line ``_load_server`` waits for), and stops on
+SIGINT or SIGTERM. Needs the ``sglang`` extra, and what SGLang's HTTP server
+imports beside it (``soundfile``, ``python-multipart``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+from _http_servers_cpu import slow_down
 from _subprocesses import free_port
-from trio_sglang.harness import open_tokenizer_manager
+from trio_sglang.harness import HostedTokenizerManager, open_tokenizer_manager
 
 __all__ = ["main"]
 
@@ -36,40 +48,89 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--token-interval", type=float, required=True, help="seconds")
     parser.add_argument("--first-token-delay", type=float, default=0.0, help="seconds")
+    parser.add_argument("--slow-tokenize", type=float, default=0.5, help="seconds")
+    parser.add_argument("--server", choices=["sglang", "trio-sglang"], default="sglang")
     args = parser.parse_args(argv)
+    slow_down(args.slow_tokenize)
     with open_tokenizer_manager(
         args.workdir,
         first_token_delay=args.first_token_delay,
         token_interval=args.token_interval,
     ) as hosted:
-        # Imported here, once the start-up has told the hub libraries to stay offline.
-        from sglang.srt.entrypoints import http_server
-        from sglang.srt.runtime_context import get_context
-
-        # The port, and no warm-up request (the benchmark warms every server up alike):
-        # resolved config, changed as SGLang lets a runner change it.
-        port = free_port()
-        get_context().override("serve_throughput", port=port, skip_server_warmup=True)
-
-        def announce() -> None:
-            # What SGLang does after its warm-up (which asked its default port): freeze
-            # what the start-up allocated, so that full collections skip it.
-            url = f"http://127.0.0.1:{port}"
-            with urllib.request.urlopen(urllib.request.Request(f"{url}/freeze_gc", method="POST")):
-                pass
-            print(f"INFO serving sglang on {url}", flush=True)
-
-        tm = hosted.tokenizer_manager
-        http_server._setup_and_run_http_server(
-            tm.server_args,
-            tm,
-            hosted.templates,
-            hosted.port_args,
-            [{}],
-            None,
-            launch_callback=announce,
-        )
+        if args.server == "trio-sglang":
+            _serve(hosted)
+        else:
+            _sglang_server(hosted)
     return 0
+
+
+def _serve(hosted: HostedTokenizerManager) -> None:
+    import trio
+
+    from trio_sglang import SGLangEngine
+    from trio_sglang.server import serve
+
+    port = free_port()
+    engine = SGLangEngine(tokenizer_manager=hosted.tokenizer_manager)
+    print(f"INFO serving trio-sglang on http://127.0.0.1:{port}", flush=True)
+    trio.run(lambda: serve(engine, host="127.0.0.1", port=port))
+
+
+def _sglang_server(hosted: HostedTokenizerManager) -> None:
+    # Imported here, once the start-up has told the hub libraries to stay offline.
+    from sglang.srt.entrypoints import http_server
+
+    tm = hosted.tokenizer_manager
+    # The port, and no warm-up request (the benchmark warms every server up alike).
+    port = free_port()
+    try:
+        from sglang.srt.runtime_context import get_context
+    except ImportError:
+        context = None
+    else:
+        context = get_context()
+    if hasattr(context, "override"):
+        # Resolved config, changed as SGLang lets a runner change it.
+        context.override("serve_throughput", port=port, skip_server_warmup=True)
+    else:  # older releases read both from their ServerArgs
+        tm.server_args.port, tm.server_args.skip_server_warmup = port, True
+
+    def states() -> dict[str, Any]:
+        return {"states": len(tm.rid_to_state)}
+
+    http_server.app.add_api_route("/trio_sglang/states", states, methods=["GET"])
+
+    def announce() -> None:
+        # What SGLang does after its warm-up (which asked its default port): freeze
+        # what the start-up allocated, so that full collections skip it. Releases
+        # before 0.5.17 call this without a warm-up before uvicorn listens.
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_health(url)
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/freeze_gc", method="POST")):
+            pass
+        print(f"INFO serving sglang on {url}", flush=True)
+
+    http_server._setup_and_run_http_server(
+        tm.server_args,
+        tm,
+        hosted.templates,
+        hosted.port_args,
+        [{}],
+        None,
+        launch_callback=announce,
+    )
+
+
+def _wait_for_health(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":

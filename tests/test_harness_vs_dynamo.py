@@ -12,17 +12,24 @@ counts certain (a 0.5 s tokenization against Dynamo's 0.25 s dispatch wait).
 from __future__ import annotations
 
 import json
+import warnings
 from types import ModuleType
 from typing import Any
 
 import pytest
 
 from _benchmarks import benchmark_fixture
+from trio_sglang._sglang_semantics import detect_semantics
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 pytest.importorskip("dynamo.sglang", reason="needs ai-dynamo 1.6.1: run `nox -s sglang`")
 
 pytestmark = pytest.mark.sglang
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # SGLang's words on GPU kernels this CPU lacks
+    #: Whether the installed SGLang drops a repeated abort (0.5.20 on), as detected.
+    DEDUPES_ABORTS = detect_semantics().abort_dedupe
 
 #: Phases in which the request has not reached the scheduler when the cancel comes.
 BEFORE_DISPATCH = ("before_registration", "tokenizing", "slow_tokenization")
@@ -66,10 +73,15 @@ def test_dynamo_loses_every_abort_in_a_slow_tokenization(run: dict[str, Any]) ->
 
     dynamo = rows(run, "dynamo-1.6")
     slow = dynamo["slow_tokenization"]
-    # The abort goes out at the end of the 0.25 s dispatch wait, before dispatch: lost,
-    # and the request decodes to its end for nobody.
-    assert slow["aborts_lost"] == slow["not_stopped"] == slow["cancels"]
-    assert slow["wasted_tokens"]["p50"] == slow["wasted_tokens"]["max"] == MAX_NEW_TOKENS
+    # The abort goes out at the end of the 0.25 s dispatch wait, before dispatch: lost.
+    assert slow["aborts_lost"] == slow["cancels"]
+    if DEDUPES_ABORTS:
+        # SGLang then drops Dynamo's retries: the request decodes to its end for nobody.
+        assert slow["not_stopped"] == slow["cancels"]
+        assert slow["wasted_tokens"]["p50"] == slow["wasted_tokens"]["max"] == MAX_NEW_TOKENS
+    else:
+        # Before 0.5.20 nothing drops a repeated abort, and a retry stops the request.
+        assert slow["not_stopped"] == 0
     for phase, cell in dynamo.items():
         if phase in BEFORE_DISPATCH:
             # What was cancelled before it reached the scheduler is sent there all the same.
@@ -81,6 +93,9 @@ def test_dynamo_loses_every_abort_in_a_slow_tokenization(run: dict[str, Any]) ->
 
 def test_the_sim_model_agrees_with_dynamos_code_in_every_count(run: dict[str, Any]) -> None:
     from _harness_sweep import COUNTS
+
+    if not DEDUPES_ABORTS:
+        pytest.skip("the SimEngine models SGLang 0.5.20 on, whose abort dedupe this release lacks")
 
     model, real = rows(run, "poll-then-abort"), rows(run, "dynamo-1.6")
     for phase, cell in real.items():

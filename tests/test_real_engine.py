@@ -95,8 +95,12 @@ def left_nothing(name: str, seen: Observation) -> list[str]:
 
 async def test_every_cancel_phase_stops_the_real_scheduler(workdir: Path) -> None:
     problems: list[str] = []
+    from sglang.version import __version__
+
     async with open_sglang_harness(workdir=workdir, real_engine=True) as harness:
         assert harness.capabilities["engine"]["kind"] == "sglang"
+        # The release installed here (``nox -s sglang-matrix``'s folders run older ones).
+        assert harness.capabilities["engine"]["sglang_version"] == __version__
         assert harness.capabilities["features"]["cancel_before_first_output_v1"] is True
         for scenario, expected in CASES:
             seen = await harness.run(scenario)

@@ -121,9 +121,13 @@ def test_the_worker_publishes_the_real_engines_capabilities(deployment: tuple[An
         if card.get("card_json", {}).get("display_name") == MODEL
     ]
     published = config["runtime_data"]["trio_sglang"]
-    assert published["engine"] == {
+    from sglang.version import __version__
+
+    engine = published["engine"]
+    assert {key: engine[key] for key in ("kind", "sglang_version", "disaggregation_mode")} == {
         "kind": "sglang",
-        "sglang_version": "0.5.23",
+        "sglang_version": __version__,
         "disaggregation_mode": None,
     }
+    assert engine["sglang_semantics"]["version"] == __version__
     assert config["context_length"] == 8192  # the tiny model's, as SGLang read it

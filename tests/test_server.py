@@ -111,6 +111,7 @@ async def test_health_models_capabilities_and_metrics(start_server: StartServer)
         "kind": "sim",
         "sglang_version": "0.5.23",
         "disaggregation_mode": None,
+        "sglang_semantics": None,
     }
     assert caps["role"] == "aggregated"
     assert caps["features"]["cancel_before_first_output_v1"] is True

@@ -291,6 +291,7 @@ def test_capabilities_shape() -> None:
         "kind": "sim",
         "sglang_version": "0.5.23",
         "disaggregation_mode": None,
+        "sglang_semantics": None,
     }
     assert caps["role"] == "aggregated"
     assert json.loads(json.dumps(caps)) == caps
@@ -343,6 +344,7 @@ def test_engine_kind_defaults_to_unknown() -> None:
         "kind": "unknown",
         "sglang_version": None,
         "disaggregation_mode": None,
+        "sglang_semantics": None,
     }
 
 
@@ -384,6 +386,7 @@ async def test_worker_capabilities_on_sim_engine(autojump_clock: trio.testing.Mo
         "kind": "sim",
         "sglang_version": "0.5.23",
         "disaggregation_mode": None,
+        "sglang_semantics": None,
     }
     assert caps["role"] == "aggregated"
     assert caps["engine"]["sglang_version"] == ts.SimEngine.SGLANG_VERSION

@@ -27,6 +27,7 @@ def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
     release = features.get("release_on_close") is True
     version = features.get("sglang_version")
     mode = features.get("disaggregation_mode")
+    semantics = features.get("sglang_semantics")
     role = role_of(features)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -35,6 +36,9 @@ def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
             "kind": str(features.get("kind", "unknown")),
             "sglang_version": version if isinstance(version, str) else None,
             "disaggregation_mode": mode if isinstance(mode, str) else None,
+            # How this SGLang build registers, dispatches and releases requests,
+            # as detected at start (None for an engine that is not SGLang).
+            "sglang_semantics": dict(semantics) if isinstance(semantics, Mapping) else None,
         },
         # aggregated, prefill or decode (prefill/decode disaggregation).
         "role": role,

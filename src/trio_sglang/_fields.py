@@ -252,4 +252,9 @@ def check_honoured(body: Mapping[str, Any], features: Mapping[str, object]) -> N
 def unsupported(field: str, features: Mapping[str, object]) -> str:
     """The refusal of a field the engine does not honour, in one place for every caller."""
     kind = features.get("kind", "unknown")
-    return f"'{field}' is not supported by the {kind} engine: leave it out, or at its default"
+    version = features.get("sglang_version")
+    if kind == "sglang" and isinstance(version, str):
+        kind = f"{kind} engine (SGLang {version})"  # a release older than the field tables
+    else:
+        kind = f"{kind} engine"
+    return f"'{field}' is not supported by the {kind}: leave it out, or at its default"

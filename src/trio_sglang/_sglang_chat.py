@@ -34,7 +34,10 @@ class SGLangChat:
         from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 
         if template_manager is None:
-            from sglang.srt.parser.template_manager import TemplateManager
+            try:
+                from sglang.srt.parser.template_manager import TemplateManager
+            except ImportError:  # its home before 0.5.17
+                from sglang.srt.managers.template_manager import TemplateManager
 
             args = tokenizer_manager.server_args
             template_manager = TemplateManager()

@@ -7,10 +7,17 @@ extra and is imported only here, when an ``SGLangEngine`` is made or run, so
 that ``import trio_sglang`` does not need it. What this adapter does for the
 lifecycle, given how SGLang's TokenizerManager holds and releases requests:
 
+- ``running`` reads how the installed SGLang registers, dispatches and
+  releases requests (``_sglang_semantics.py``) and refuses a release older
+  than ``MINIMUM_RELEASE`` in one line, before anything starts;
 - ``generate`` builds the ``GenerateReqInput`` that ``Engine.async_generate``
   builds and pulls ``tokenizer_manager.generate_request`` one item at a time;
   a cancelled pull cancels the asyncio side, whose ``except BaseException``
-  release path then runs before the pull returns (trio-asyncio waits for it);
+  release path then runs before the pull returns (trio-asyncio waits for it).
+  Where that release path is missing or forgets dispatched requests (before
+  0.5.20, but 0.5.17), the stream aborts them before SGLang's close runs and
+  forgets what SGLang leaves registered (``_sglang_release.py``), so every
+  supported release releases on close;
 - ``aclose`` closes the generator explicitly, because a generator parked at
   its ``yield`` is otherwise finalised only by the garbage collector;
 - ``phase`` reads ``rid_to_state`` and the dispatch mark; there is no event to
@@ -26,11 +33,11 @@ responses reveal (``phase`` then answers from what the streams have seen).
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import math
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -40,6 +47,9 @@ from ._engine import RequestPhase
 from ._phase_poller import PhasePoller
 from ._sglang_chat import SGLangChat
 from ._sglang_cpu import prepare_cpu_engine, with_cpu_defaults
+from ._sglang_fields_taken import fields_taken
+from ._sglang_release import Orphans, abort_dispatched, dispatched, forget_leftovers, states_of
+from ._sglang_semantics import SGLangSemantics, detect_semantics, require_supported
 
 __all__ = ["SGLangEngine"]
 
@@ -63,7 +73,7 @@ def _trio_asyncio() -> Any:
 
 
 class SGLangEngine:
-    """The real SGLang (0.5.23), as an engine for ``open_worker``.
+    """The real SGLang (0.5.10 or newer), as an engine for ``open_worker``.
 
     Give exactly one of: ``engine`` (an ``sglang.Engine`` you own),
     ``tokenizer_manager`` (a ``TokenizerManager`` built without an Engine, as
@@ -107,6 +117,9 @@ class SGLangEngine:
         #: rid -> phase, from what the streams saw (only used without a registry).
         self._seen: dict[str, RequestPhase] = {}
         self._chat: SGLangChat | None = None  # made at the first chat request
+        self._detected: SGLangSemantics | None = None
+        #: Dispatched states whose stream died before SGLang finished them (old releases).
+        self._orphans = Orphans()
 
     @property
     def tokenizer_manager(self) -> Any:
@@ -119,6 +132,11 @@ class SGLangEngine:
         trio_asyncio = _trio_asyncio()
         if self._running:
             raise RuntimeError("this SGLangEngine is already running")
+        if self._detected is None:
+            # In a thread: some releases (0.5.19) set uvloop's event loop policy when
+            # their tokenizer_manager module is imported, which trio-asyncio refuses here.
+            self._detected = await trio.to_thread.run_sync(detect_semantics)
+        require_supported(self._detected)  # before a model loads for nothing
         self._running = True
         try:
             async with (
@@ -187,28 +205,43 @@ class SGLangEngine:
         self.tokenizer_manager.auto_create_handle_loop()
         loop.remove_signal_handler(signal.SIGTERM)
 
-    def features(self) -> Mapping[str, object]:
-        from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
+    @property
+    def semantics(self) -> SGLangSemantics:
+        """How the installed SGLang registers, dispatches and releases requests (read once).
 
-        try:
-            from sglang.version import __version__ as version
-        except ImportError:
-            version = None
-        fields = {f.name for f in dataclasses.fields(ReqState)}
+        Read at the start of ``running()``; before that, read here, which
+        imports SGLang's TokenizerManager in the calling thread.
+        """
+        if self._detected is None:
+            self._detected = detect_semantics()
+        return self._detected
+
+    @property
+    def _covers_close(self) -> bool:
+        """Whether the streams abort dispatched requests before SGLang's close (it does not)."""
+        return not self.semantics.close_stops_dispatched
+
+    def features(self) -> Mapping[str, object]:
+        semantics = self.semantics
         mode = getattr(getattr(self._tm, "server_args", None), "disaggregation_mode", None)
         # The model's context length, which the tokenizer manager checks every request against.
         context_len = getattr(self._tm, "context_len", None)
+        taken = fields_taken()
         return {
             "kind": "sglang",
-            "sglang_version": version,
+            "sglang_version": semantics.version,
+            "sglang_semantics": semantics.to_json(),
             "request_registry": isinstance(getattr(self._tm, "rid_to_state", None), Mapping),
-            "dispatch_timestamp": "dispatched" in fields or "time_stats" in fields,
-            "abort_sent_flag": "abort_sent" in fields,
-            "release_on_close": hasattr(TokenizerManager, "_release_req_states_on_failure"),
+            "dispatch_timestamp": semantics.supported,
+            "abort_sent_flag": semantics.abort_dedupe,
+            # SGLang's own close, or this adapter's where SGLang's leaves it undone.
+            "release_on_close": semantics.supported,
             "batch_parallel_sampling": True,
             # SGLang says "null" for an aggregated server.
             "disaggregation_mode": mode if mode in ("prefill", "decode") else None,
             **({"context_length": context_len} if isinstance(context_len, int) else {}),
+            # An older release than trio-sglang's field tables: what it lacks is refused.
+            **({"honoured_fields": taken} if taken is not None else {}),
         }
 
     @property
@@ -233,15 +266,15 @@ class SGLangEngine:
 
     def phase(self, rid: str) -> RequestPhase:
         registry = getattr(self._tm, "rid_to_state", None)
-        if not isinstance(registry, Mapping):
+        if not isinstance(registry, MutableMapping):
             return self._seen.get(rid, RequestPhase.ABSENT)
+        self._orphans.sweep(registry)
         state = registry.get(rid)
-        if state is None:
+        # A finished state is let go by the scheduler (0.5.12 and older keep
+        # one aborted while queued until its generator reads it).
+        if state is None or state.finished:
             return RequestPhase.ABSENT
-        dispatched = getattr(state, "dispatched", False) or getattr(
-            getattr(state, "time_stats", None), "api_server_dispatch_finish_time", 0
-        )
-        return RequestPhase.DISPATCHED if dispatched else RequestPhase.REGISTERED
+        return RequestPhase.DISPATCHED if dispatched(state) else RequestPhase.REGISTERED
 
     async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
         # The registry lives on the asyncio side and announces nothing: the
@@ -268,7 +301,8 @@ class SGLangEngine:
 
     def live_requests(self) -> int:
         registry = getattr(self._tm, "rid_to_state", None)
-        if isinstance(registry, Mapping):
+        if isinstance(registry, MutableMapping):
+            self._orphans.sweep(registry)
             return len(registry)
         return sum(p is not RequestPhase.ABSENT for p in self._seen.values())
 
@@ -308,8 +342,18 @@ class _SGLangStream:
     def __init__(self, engine: SGLangEngine, request: Mapping[str, Any]) -> None:
         self._engine = engine
         self._request = dict(request)
+        # Copies of its own: which states are this request's is told by them (_sglang_release).
+        params = self._request.get("sampling_params")
+        if isinstance(params, Mapping):
+            self._request["sampling_params"] = dict(params)
+        elif isinstance(params, list):
+            self._request["sampling_params"] = [dict(p) for p in params]
+        self._covers = engine._covers_close
+        self._obj: Any = None  # SGLang's GenerateReqInput, normalised by SGLang in place
         self._agen: Any = None
         self._closed = False
+        #: Rids this stream aborted before SGLang's close (releases whose close does not).
+        self._aborted: set[str] = set()
         self._seen_text: dict[str, int] = {}
         self._seen_ids: dict[str, int] = {}
 
@@ -319,30 +363,74 @@ class _SGLangStream:
     async def __anext__(self) -> dict[str, Any]:
         if self._closed:
             raise StopAsyncIteration
+        engine = self._engine
         if self._agen is None:
             from sglang.srt.managers.io_struct import GenerateReqInput
 
-            tm = self._engine.tokenizer_manager
-            self._agen = tm.generate_request(GenerateReqInput(**self._request), None)
+            self._obj = GenerateReqInput(**self._request)
+            self._agen = engine.tokenizer_manager.generate_request(self._obj, None)
             self._note(self._request["rid"], RequestPhase.REGISTERED)
+        pull = self._pull_aborting_first if self._covers else self._agen.__anext__
         try:
-            out: dict[str, Any] = await self._engine._in_asyncio(self._agen.__anext__)()
+            out: dict[str, Any] = await engine._in_asyncio(pull)()
         except StopAsyncIteration:
             self._closed = True
-            self._note(self._request["rid"], RequestPhase.ABSENT)
+            self._ended()
             raise
-        # A cancelled pull is not a closed generator: if the cancel landed
-        # before the asyncio task first ran, the generator never saw it and is
-        # still parked at its last yield. Only aclose() (the worker's cleanup
-        # always calls it) is sure to run SGLang's release path.
+        except BaseException:
+            # A cancel that landed before the asyncio task ran left the
+            # generator parked at its last yield; aclose() (the worker's
+            # cleanup always calls it) then runs SGLang's release path.
+            if self._agen.ag_frame is None:
+                self._closed = True
+                self._ended()
+            raise
         return self._incremental(out)
+
+    async def _pull_aborting_first(self) -> dict[str, Any]:
+        """asyncio: the next output; if cancelled, abort what was dispatched, then let SGLang close.
+
+        The pull runs shielded in a task of its own, which this coroutine
+        always awaits to its end, so that the abort goes out while the
+        request's states are still registered (``_sglang_release.py``).
+        """
+        pull = asyncio.ensure_future(self._agen.__anext__())
+        try:
+            return await asyncio.shield(pull)
+        except asyncio.CancelledError:
+            if not pull.done():
+                self._abort_dispatched()
+                pull.cancel()
+            while not pull.done():
+                try:
+                    await asyncio.wait([pull])
+                except asyncio.CancelledError:  # cancelled again: the close must still finish
+                    continue
+            if not pull.cancelled():
+                pull.exception()  # retrieved: the caller has gone, and gets the cancel
+            raise
+
+    def _abort_dispatched(self) -> None:
+        tm = self._engine.tokenizer_manager
+        states = states_of(tm.rid_to_state, self._obj, children=True)
+        abort_dispatched(tm, states, self._aborted)
+
+    def _ended(self) -> None:
+        """The generator is dead: nothing can dispatch for it now; forget what SGLang left."""
+        registry = getattr(self._engine.tokenizer_manager, "rid_to_state", None)
+        if isinstance(registry, MutableMapping):
+            states = states_of(registry, self._obj, children=self._covers)
+            forget_leftovers(registry, states, self._engine._orphans)
+        self._note(self._request["rid"], RequestPhase.ABSENT)
 
     async def aclose(self) -> None:
         if self._agen is not None and not self._closed:
             self._closed = True
+            if self._covers:
+                self._abort_dispatched()  # before SGLang's close can forget it
             # A no-op if the generator already finished (its release path ran).
             await self._engine._in_asyncio(self._agen.aclose)()
-            self._note(self._request["rid"], RequestPhase.ABSENT)
+            self._ended()
         self._closed = True
         await trio.lowlevel.checkpoint()
 

@@ -91,6 +91,10 @@ class Scenario:
     #: engine to hold nothing before the settle: a request that nobody stopped
     #: is then observed to its end (0: do not wait).
     wait_idle: float = 0.0
+    #: At least this many seconds, from the caller being done, to watch the
+    #: scheduler before observing it: a dispatch that may still come (a slow
+    #: tokenizer's, after a cancel) shows up in that window.
+    observe_for: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -284,7 +288,7 @@ async def _settle(engine: Watched, scenario: Scenario, settle: float) -> None:
         with trio.move_on_after(scenario.wait_idle):
             while engine.live_requests():  # noqa: ASYNC110 (see the docstring)
                 await trio.sleep(_IDLE_POLL)
-    await trio.sleep(settle)
+    await trio.sleep(max(settle, scenario.observe_for))
 
 
 def _observe_scheduler(

@@ -57,6 +57,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ._pd_queues import Exit, Queues, queues_for
 from ._peer import DisaggSetup
+from ._wire import batch_str_output, receive, round_trip, send
 
 if TYPE_CHECKING:
     import zmq
@@ -213,12 +214,7 @@ def _self_test() -> None:
     tree. If this SGLang version added a required field or changed a type,
     fail here, loudly, before connecting.
     """
-    from sglang.srt.managers.io_struct import (
-        AbortReq,
-        BatchStrOutput,
-        msgpack_decode,
-        msgpack_encode,
-    )
+    from sglang.srt.managers.io_struct import AbortReq, BatchStrOutput
 
     held = _Held("self-test", None, prompt_tokens=2, max_new_tokens=1, due=0.0)
     samples = (
@@ -226,7 +222,7 @@ def _self_test() -> None:
         _abort_echo("self-test", None, finished_reason=None),
     )
     for sample, kind in zip(samples, (BatchStrOutput, AbortReq), strict=True):
-        decoded = msgpack_decode(msgpack_encode(sample))
+        decoded = round_trip(sample)
         if not isinstance(decoded, kind) or decoded != sample:
             raise RuntimeError(f"{kind.__name__} does not survive SGLang's codec: {decoded!r}")
 
@@ -299,11 +295,10 @@ class _Scheduler:
     def _drain(self, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes]) -> None:
         """Apply every message already waiting, in arrival order."""
         import zmq
-        from sglang.srt.managers.io_struct import sock_recv
 
         while True:
             try:
-                message = sock_recv(inbox, zmq.NOBLOCK)
+                message = receive(inbox, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._apply(message, outbox)
@@ -359,8 +354,6 @@ class _Scheduler:
 
     def _abort(self, abort: Any, outbox: zmq.Socket[bytes]) -> None:
         """Stop every held request the abort matches (prefix rule); no tombstone if none."""
-        from sglang.srt.managers.io_struct import sock_send
-
         prefix: str = abort.rid or ""
         self._log.write("abort", prefix, abort_all=bool(abort.abort_all))
         queues = self._queues
@@ -372,34 +365,30 @@ class _Scheduler:
         for rid in hits:
             if rid in self._held:
                 held = self._held.pop(rid)
-                sock_send(outbox, _abort_echo(rid, held.http_worker_ipc, abort.finished_reason))
+                send(outbox, _abort_echo(rid, held.http_worker_ipc, abort.finished_reason))
                 self._log.write("abort_applied", rid, abort_rid=prefix, tokens=held.emitted)
             elif queues is not None and (exit := queues.abort(rid)) is not None:
                 self._leave_queues(exit, outbox, time.monotonic())
 
     def _leave_queues(self, exit: Exit[_Held], outbox: zmq.Socket[bytes], now: float) -> None:
         """Answer a request that left the queues, or start decoding it."""
-        from sglang.srt.managers.io_struct import sock_send
-
         held = exit.request
         if exit.kind == "decode":
             held.due = now + self._options.first_token_delay
             self._held[held.rid] = held
         elif exit.kind == "echo":
-            sock_send(outbox, _abort_echo(held.rid, held.http_worker_ipc, finished_reason=None))
+            send(outbox, _abort_echo(held.rid, held.http_worker_ipc, finished_reason=None))
         elif exit.kind == "failed":
-            sock_send(outbox, _batch_str_output([_Step(held, (), "", True, exit.reason)]))
+            send(outbox, _batch_str_output([_Step(held, (), "", True, exit.reason)]))
         else:  # prefilled: the token its forward sampled, and SGLang's length 0
             held.emitted = 1
             token_id = _token_id(held.emitted)
             step = _Step(held, (token_id,), f" w{token_id}", True, {"type": "length", "length": 0})
-            sock_send(outbox, _batch_str_output([step]))
+            send(outbox, _batch_str_output([step]))
             self._log.write("finished", held.rid, tokens=held.emitted)
 
     def _emit_due(self, outbox: zmq.Socket[bytes]) -> None:
         """Decode one step for every request that is due, as one batch, like a decode step."""
-        from sglang.srt.managers.io_struct import sock_send
-
         now = time.monotonic()
         if self._queues is not None:
             for exit in self._queues.advance(now):
@@ -407,7 +396,7 @@ class _Scheduler:
         steps = [_step(held) for held in self._held.values() if held.due <= now]
         if not steps:
             return
-        sock_send(outbox, _batch_str_output(steps))
+        send(outbox, _batch_str_output(steps))
         for step in steps:
             held = step.held
             if step.token_ids:
@@ -438,47 +427,28 @@ def _token_id(index: int) -> int:
 
 
 def _batch_str_output(steps: Sequence[_Step]) -> Any:
-    """A ``BatchStrOutput`` with every required field filled, lists aligned with ``rids``.
+    """A ``BatchStrOutput`` of the installed release, lists aligned with ``rids`` (``_wire.py``).
 
     The TokenizerManager indexes ``rids``, ``finished_reasons``, ``output_strs``,
     ``output_ids``, the token counters and ``retraction_counts`` per request, so
-    those carry real values; the per-request optional ones (logprobs, hidden
-    states, ...) carry ``None`` for each request.
+    those carry real values; every other field what its type admits.
     """
-    from sglang.srt.managers.io_struct import BatchStrOutput
-
     count = len(steps)
-    nothing: list[None] = [None] * count
-    return BatchStrOutput(
-        rids=[step.held.rid for step in steps],
-        http_worker_ipcs=[step.held.http_worker_ipc for step in steps],
-        finished_reasons=[_finish_reason(step) for step in steps],
-        output_strs=[step.text for step in steps],
-        output_ids=[array("i", step.token_ids) for step in steps],
-        prompt_tokens=[step.held.prompt_tokens for step in steps],
-        completion_tokens=[step.held.emitted for step in steps],
-        reasoning_tokens=[0] * count,
-        cached_tokens=[0] * count,
-        retraction_counts=[0] * count,
-        input_token_logprobs_val=nothing,
-        input_token_logprobs_idx=nothing,
-        output_token_logprobs_val=nothing,
-        output_token_logprobs_idx=nothing,
-        input_top_logprobs_val=nothing,
-        input_top_logprobs_idx=nothing,
-        output_top_logprobs_val=nothing,
-        output_top_logprobs_idx=nothing,
-        input_token_ids_logprobs_val=nothing,
-        input_token_ids_logprobs_idx=nothing,
-        output_token_ids_logprobs_val=nothing,
-        output_token_ids_logprobs_idx=nothing,
-        output_token_entropy_val=nothing,
-        output_token_sampling_mask=nothing,
-        output_hidden_states=nothing,
-        routed_experts=nothing,
-        indexer_topk=nothing,
-        placeholder_tokens_idx=nothing,
-        placeholder_tokens_val=nothing,
+    zeros = [0] * count
+    return batch_str_output(
+        count,
+        {
+            "rids": [step.held.rid for step in steps],
+            "http_worker_ipcs": [step.held.http_worker_ipc for step in steps],
+            "finished_reasons": [_finish_reason(step) for step in steps],
+            "output_strs": [step.text for step in steps],
+            "output_ids": [array("i", step.token_ids) for step in steps],
+            "prompt_tokens": [step.held.prompt_tokens for step in steps],
+            "completion_tokens": [step.held.emitted for step in steps],
+            "reasoning_tokens": zeros,
+            "cached_tokens": zeros,
+            "retraction_counts": zeros,
+        },
     )
 
 

@@ -100,9 +100,12 @@ def open_tokenizer_manager(
 def _tokenizer_manager(
     model: Path, disagg: DisaggSetup | None, chat_template: str | None
 ) -> tuple[Any, Any, Any]:
-    """A TokenizerManager built as ``sglang.Engine`` builds one, its templates and IPC names."""
+    """A TokenizerManager built as ``sglang.Engine`` builds one, its templates and IPC names.
+
+    Each step runs where the installed release has it: older releases lack
+    ``resolve_once``, ``resolve_auto_parsers`` or ``runtime_context.publish``.
+    """
     from sglang.srt.entrypoints import engine as sglang_engine
-    from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     # Only a prefill server starts the KV bootstrap server (on that port).
@@ -120,11 +123,18 @@ def _tokenizer_manager(
         chat_template=chat_template,
         **role,
     )
-    server_args.resolve_once()
+    if hasattr(server_args, "resolve_once"):
+        server_args.resolve_once()
     sglang_engine._set_envs_and_config(server_args)
     server_args.check_server_args()
-    sglang_engine.resolve_auto_parsers(server_args)
-    publish(server_args, role="tokenizer")
+    if hasattr(sglang_engine, "resolve_auto_parsers"):
+        sglang_engine.resolve_auto_parsers(server_args)
+    try:
+        from sglang.srt.runtime_context import publish
+    except ImportError:
+        pass
+    else:
+        publish(server_args, role="tokenizer")
     port_args = PortArgs.init_new(server_args)
     tm, templates = sglang_engine.init_tokenizer_manager(server_args, port_args)
     return tm, templates, port_args
