@@ -103,17 +103,21 @@ SGLANG_RELEASES: dict[str, tuple[str, ...]] = {
     "0.5.21": (),
     "0.5.23": (),
 }
+#: Releases older than trio-sglang's minimum (0.5.10), on which ``sglang-matrix`` checks
+#: only that they are refused at start.
+SGLANG_REFUSED: dict[str, tuple[str, ...]] = {"0.5.9": ()}
 #: The release before 0.5.20 whose whole engine ``real-engine`` also runs.
 REAL_ENGINE_OLDER = "0.5.19"
 #: Releases whose TokenizerManager imports ``sgl_kernel`` at load (0.5.10's
 #: ``sgl_kernel.kvcacheio``): they get trio-sglang's import-only stand-in for it.
-SGLANG_KERNEL_STANDIN = frozenset({"0.5.10"})
+SGLANG_KERNEL_STANDIN = frozenset({"0.5.9", "0.5.10"})
 
 
 @nox.session(name="sglang-matrix")
 def sglang_matrix(session: nox.Session) -> None:
     """The ``sglang`` session's tests on each release of ``SGLANG_RELEASES``, one after another.
 
+    Then, on each of ``SGLANG_REFUSED`` (0.5.9), only that it is refused at start.
     ``-- 0.5.19 0.5.23`` runs those releases only; ``-- --servers`` also runs
     ``benchmarks/release_servers.py`` on each (SGLang's own server beside
     ``serve``, clients leaving; about 2 min a release), into
@@ -125,7 +129,8 @@ def sglang_matrix(session: nox.Session) -> None:
     """
     servers = "--servers" in session.posargs
     named = [arg for arg in session.posargs if re.fullmatch(r"\d+\.\d+\.\d+\S*", arg)]
-    unknown = [arg for arg in named if arg not in SGLANG_RELEASES]
+    known = {**SGLANG_RELEASES, **SGLANG_REFUSED}
+    unknown = [arg for arg in named if arg not in known]
     if unknown:
         session.error(
             f"not in SGLANG_RELEASES: {', '.join(unknown)} (known: {', '.join(SGLANG_RELEASES)})"
@@ -133,7 +138,7 @@ def sglang_matrix(session: nox.Session) -> None:
     pytest_args = [arg for arg in session.posargs if arg not in (*named, "--servers")]
     install_sglang_cpu(session)
     releases = Path(session.virtualenv.location) / "releases"
-    for release in named or list(SGLANG_RELEASES):
+    for release in named or list(known):
         paths = [] if release == "0.5.23" else [str(releases / release)]
         if paths:
             _install_release(session, releases / release, release)
@@ -141,6 +146,17 @@ def sglang_matrix(session: nox.Session) -> None:
             paths.append(str(Path("src/trio_sglang/_sgl_kernel_standin").resolve()))
         session.log(f"SGLang {release}")
         env = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
+        if release in SGLANG_REFUSED:
+            session.run(
+                "pytest",
+                "-m",
+                "sglang",
+                "tests/test_sglang_release.py",
+                "-k",
+                "older_release",
+                env=env,
+            )
+            continue
         session.run("pytest", "-m", "sglang", *pytest_args, env=env)
         if servers:
             out = Path(session.virtualenv.location) / "release-servers" / f"{release}.json"
@@ -149,7 +165,7 @@ def sglang_matrix(session: nox.Session) -> None:
 
 def _install_release(session: nox.Session, target: Path, release: str) -> None:
     """SGLang ``release`` and its packages into ``target``, unless the same recipe is there."""
-    recipe = " ".join((f"sglang=={release}", *SGLANG_RELEASES[release]))
+    recipe = " ".join((f"sglang=={release}", *{**SGLANG_RELEASES, **SGLANG_REFUSED}[release]))
     mark = target / ".trio-sglang-recipe"
     if mark.exists() and mark.read_text() == recipe:
         return

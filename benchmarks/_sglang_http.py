@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from _http_servers_cpu import slow_down
-from _subprocesses import free_port
+from _subprocesses import free_port, wait_until
 from trio_sglang.harness import HostedTokenizerManager, open_tokenizer_manager
 
 __all__ = ["main"]
@@ -86,12 +85,12 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
     try:
         from sglang.srt.runtime_context import get_context
     except ImportError:
-        context = None
+        override = None
     else:
-        context = get_context()
-    if hasattr(context, "override"):
+        override = getattr(get_context(), "override", None)
+    if override is not None:
         # Resolved config, changed as SGLang lets a runner change it.
-        context.override("serve_throughput", port=port, skip_server_warmup=True)
+        override("serve_throughput", port=port, skip_server_warmup=True)
     else:  # older releases read both from their ServerArgs
         tm.server_args.port, tm.server_args.skip_server_warmup = port, True
 
@@ -105,7 +104,7 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
         # what the start-up allocated, so that full collections skip it. Releases
         # before 0.5.17 call this without a warm-up before uvicorn listens.
         url = f"http://127.0.0.1:{port}"
-        _wait_for_health(url)
+        wait_until(f"SGLang's server on {url} to answer", lambda: _answers(url), 60)
         with urllib.request.urlopen(urllib.request.Request(f"{url}/freeze_gc", method="POST")):
             pass
         print(f"INFO serving sglang on {url}", flush=True)
@@ -121,16 +120,12 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
     )
 
 
-def _wait_for_health(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

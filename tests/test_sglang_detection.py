@@ -89,6 +89,16 @@ class KeepsOnClose:  # 0.5.10 to 0.5.16: `except Exception` does not catch a can
     async def _handle_batch_request(self, obj):
         obj.regenerate_rid()
 
+    def _handle_abort_req(self, recv_obj):  # 0.5.14 on
+        state = self.rid_to_state.get(recv_obj.rid)
+        state.finished = True
+        del self.rid_to_state[recv_obj.rid]
+
+
+class KeepsAbortedInQueue(KeepsOnClose):  # 0.5.10 to 0.5.12
+    def _handle_abort_req(self, recv_obj):
+        self.rid_to_state[recv_obj.rid].finished = True
+
 
 class ForgetsOnClose(KeepsOnClose):  # 0.5.18, 0.5.19
     async def generate_request(self, obj):
@@ -134,11 +144,16 @@ NONE, STATS, FLAG = DispatchMark.NONE, DispatchMark.TIME_STATS, DispatchMark.FLA
 @pytest.mark.parametrize(
     ("tm", "state", "expected"),
     [
-        (RegistersAtSend, OldState, (False, NONE, CloseRelease.KEEPS, False, False)),
-        (KeepsOnClose, TimeStatsState, (True, STATS, CloseRelease.KEEPS, False, False)),
-        (ForgetsOnClose, TimeStatsState, (True, STATS, CloseRelease.FORGETS, False, False)),
-        (AbortsOnClose, FlagState, (True, FLAG, CloseRelease.ABORTS, False, True)),
-        (ReleasesOnClose, DedupeState, (True, FLAG, CloseRelease.RELEASES, True, False)),
+        (RegistersAtSend, OldState, (False, NONE, CloseRelease.KEEPS, False, False, False)),
+        (
+            KeepsAbortedInQueue,
+            TimeStatsState,
+            (True, STATS, CloseRelease.KEEPS, False, False, False),
+        ),
+        (KeepsOnClose, TimeStatsState, (True, STATS, CloseRelease.KEEPS, False, False, True)),
+        (ForgetsOnClose, TimeStatsState, (True, STATS, CloseRelease.FORGETS, False, False, True)),
+        (AbortsOnClose, FlagState, (True, FLAG, CloseRelease.ABORTS, False, True, True)),
+        (ReleasesOnClose, DedupeState, (True, FLAG, CloseRelease.RELEASES, True, False, True)),
     ],
 )
 def test_each_release_lines_shape_is_detected(
@@ -151,11 +166,12 @@ def test_each_release_lines_shape_is_detected(
         found.close,
         found.abort_dedupe,
         found.children_named_by_parent,
+        found.queued_abort_forgets,
     ) == expected
 
 
 def semantics(version: str | None, **changes: Any) -> SGLangSemantics:
-    supported = SGLangSemantics(version, True, FLAG, CloseRelease.RELEASES, True, False)
+    supported = SGLangSemantics(version, True, FLAG, CloseRelease.RELEASES, True, False, True)
     return dataclasses.replace(supported, **changes)
 
 

@@ -26,7 +26,7 @@ with warnings.catch_warnings():
     from sglang.srt.sampling import sampling_params  # noqa: F401
     from sglang.version import __version__
 
-from trio_sglang import InvalidRequest
+from trio_sglang import InvalidRequest, SGLangEngine, UnsupportedSGLang
 from trio_sglang._fields import check_honoured
 from trio_sglang._sglang_fields_taken import fields_taken
 from trio_sglang._sglang_semantics import MINIMUM_RELEASE, detect_semantics, require_supported
@@ -34,13 +34,15 @@ from trio_sglang.harness import Scenario, open_sglang_harness
 
 pytestmark = pytest.mark.sglang
 
-_KEEPS = ("time_stats", "keeps", False, False)
-_FORGETS = ("time_stats", "forgets", False, False)
-_RELEASES = ("dispatched", "releases", True, False)
-#: Per release: dispatch mark, what its close does, abort dedupe, children named by parent.
-READ_FROM_THE_CODE: dict[str, tuple[str, str, bool, bool]] = {
-    **dict.fromkeys(("0.5.10", "0.5.12", "0.5.14", "0.5.15", "0.5.16"), _KEEPS),
-    "0.5.17": ("dispatched", "aborts", False, True),
+_KEEPS = ("time_stats", "keeps", False, False, True)
+_FORGETS = ("time_stats", "forgets", False, False, True)
+_RELEASES = ("dispatched", "releases", True, False, True)
+#: Per release: dispatch mark, what its close does, abort dedupe, children named by
+#: parent, a request aborted in the waiting queue forgotten.
+READ_FROM_THE_CODE: dict[str, tuple[str, str, bool, bool, bool]] = {
+    **dict.fromkeys(("0.5.10", "0.5.12"), ("time_stats", "keeps", False, False, False)),
+    **dict.fromkeys(("0.5.14", "0.5.15", "0.5.16"), _KEEPS),
+    "0.5.17": ("dispatched", "aborts", False, True, True),
     **dict.fromkeys(("0.5.18", "0.5.19"), _FORGETS),
     **dict.fromkeys(("0.5.20", "0.5.21", "0.5.22", "0.5.23"), _RELEASES),
 }
@@ -63,13 +65,31 @@ def test_the_detected_semantics_are_what_the_releases_code_reads() -> None:
         semantics.close.value,
         semantics.abort_dedupe,
         semantics.children_named_by_parent,
+        semantics.queued_abort_forgets,
     )
     assert found == READ_FROM_THE_CODE[release()]
 
 
+def older_than_the_minimum() -> bool:
+    return tuple(map(int, release().split("."))) < tuple(map(int, MINIMUM_RELEASE.split(".")))
+
+
 def test_the_installed_release_is_supported() -> None:
-    assert tuple(map(int, release().split("."))) >= tuple(map(int, MINIMUM_RELEASE.split(".")))
+    assert not older_than_the_minimum()
     require_supported(detect_semantics())
+
+
+async def test_an_older_release_is_refused_at_start_in_one_line() -> None:
+    if not older_than_the_minimum():
+        pytest.skip(f"SGLang {__version__} is supported (nox -s sglang-matrix refuses 0.5.9)")
+    engine = SGLangEngine(tokenizer_manager=object())
+    with pytest.raises(UnsupportedSGLang) as refused:
+        async with engine.running():
+            pytest.fail("an SGLang older than the minimum ran")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"SGLang {__version__} ")
+    assert message.endswith(f"trio-sglang needs SGLang >= {MINIMUM_RELEASE}")
 
 
 #: SGLang's sampling fields and top-level fields that need no GPU feature, each set.

@@ -13,6 +13,7 @@ from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode
 from ._sglang_engine import SGLangEngine
+from ._sglang_semantics import UnsupportedSGLang
 from ._version import __version__
 from ._worker import ResponseStream, Worker, open_worker
 from .sim import (
@@ -54,6 +55,7 @@ __all__ = [
     "SimKVRooms",
     "TraceEvent",
     "TraceKind",
+    "UnsupportedSGLang",
     "Worker",
     "WorkerObserver",
     "__version__",

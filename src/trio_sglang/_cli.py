@@ -23,6 +23,7 @@ from ._engines import EngineOptions, open_engine
 from ._limits import API_KEY_ENV, ServerLimits
 from ._policy import AbortPolicy
 from ._sglang_args import add_sglang_options, sglang_installed, wants_sglang
+from ._sglang_semantics import UnsupportedSGLang
 from ._version import __version__
 from .bench_endpoint._options import add_options as add_bench_endpoint_options
 from .sim import SimDisaggTiming
@@ -515,6 +516,8 @@ def _dynamo_worker(args: argparse.Namespace) -> int:
         run_command(args, _engine_options(args))
     except* Refused as refused:
         refusal = f"trio-sglang dynamo-worker: {_first(refused)}"
+    except* UnsupportedSGLang as old:
+        refusal = f"trio-sglang dynamo-worker: {_first(old)}"
     except* ForcedShutdown as stopped:
         forced = _forced_status(stopped)
     if refusal is not None:
@@ -567,6 +570,8 @@ def _serve(args: argparse.Namespace) -> int:
         refusal = f"the prefill server is not usable: {_first(failed)}"
     except* ListenError as failed:  # a port in use, an address not on this machine
         refusal = str(_first(failed))
+    except* UnsupportedSGLang as old:  # an SGLang release older than the minimum
+        refusal = str(_first(old))
     except* ForcedShutdown as stopped:
         forced = _forced_status(stopped)
     if refusal is not None:

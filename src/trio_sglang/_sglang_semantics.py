@@ -79,6 +79,9 @@ class SGLangSemantics:
     #: ``n > 1`` children are named ``{rid}_{uuid}`` and tracked by their parent
     #: (False: a fresh uuid each, which only their first output reveals).
     children_named_by_parent: bool
+    #: A request aborted in the scheduler's waiting queue is forgotten when its
+    #: abort comes back (False, 0.5.12 and older: its state stays registered).
+    queued_abort_forgets: bool
 
     @property
     def supported(self) -> bool:
@@ -98,6 +101,7 @@ class SGLangSemantics:
             "close": self.close.value,
             "abort_dedupe": self.abort_dedupe,
             "children_named_by_parent": self.children_named_by_parent,
+            "queued_abort_forgets": self.queued_abort_forgets,
         }
 
 
@@ -128,6 +132,7 @@ def detect_semantics(
         close=_close_release(tm),
         abort_dedupe="abort_sent" in fields,
         children_named_by_parent=_regenerates_with_prefix(_method(tm, "_handle_batch_request")),
+        queued_abort_forgets=_forgets(_method(tm, "_handle_abort_req")),
     )
 
 
@@ -140,8 +145,9 @@ def require_supported(semantics: SGLangSemantics) -> None:
             "so a cancel cannot be ordered before its abort; trio-sglang needs SGLang "
             f">= {MINIMUM_RELEASE}"
         )
-    release = _release_tuple(semantics.version)
-    if release is not None and release < _release_tuple(MINIMUM_RELEASE):  # type: ignore[operator]
+    release, minimum = _release_tuple(semantics.version), _release_tuple(MINIMUM_RELEASE)
+    assert minimum is not None  # a release number, by definition
+    if release is not None and release < minimum:
         raise UnsupportedSGLang(
             f"SGLang {version} is older than the oldest release trio-sglang is tested on; "
             f"trio-sglang needs SGLang >= {MINIMUM_RELEASE}"

@@ -108,7 +108,8 @@ class Scenario:
 class Observation:
     #: Per request, in order of first appearance at the scheduler: its events.
     scheduler: list[list[str]] = field(default_factory=list)
-    #: Requests the tokenizer side still held at the end.
+    #: Requests the tokenizer side still held at the end that it did not hold
+    #: before the scenario (what another caller left earlier is not counted).
     registered_after: int = 0
     #: Chunks the caller received, and their finish reasons in order.
     chunks: int = 0
@@ -253,9 +254,10 @@ async def run_scenario(
             clock=clock,
         )
     seen = Observation()
+    before = recorder.live_requests()
     await _run_trap(recorder.engine, scenario, seen)
     await _settle(recorder, scenario, settle)
-    _observe_scheduler(seen, scheduler_events(), recorder.live_requests(), None)
+    _observe_scheduler(seen, scheduler_events(), recorder.live_requests() - before, None)
     return seen
 
 
@@ -275,9 +277,10 @@ async def observe_caller(
     ``run_scenario``.
     """
     seen = Observation()
+    before = engine.live_requests()
     cancelled_at = await _run_request(open_stream, engine, scenario, seen, clock)
     await _settle(engine, scenario, settle)
-    _observe_scheduler(seen, scheduler_events(), engine.live_requests(), cancelled_at)
+    _observe_scheduler(seen, scheduler_events(), engine.live_requests() - before, cancelled_at)
     return seen
 
 
@@ -295,7 +298,7 @@ def _observe_scheduler(
     seen: Observation, events: list[SchedulerEvent], live: int, cancelled_at: float | None
 ) -> None:
     seen.scheduler = normalise(events)
-    seen.registered_after = live
+    seen.registered_after = max(0, live)  # another caller's leftover may have gone meanwhile
     if cancelled_at is not None:
         _time_the_cancel(seen, events, cancelled_at)
 
