@@ -181,6 +181,8 @@ def _install_release(session: nox.Session, target: Path, release: str) -> None:
         str(target),
         *recipe.split(),
     )
+    if not target.exists():  # ``--no-install`` (``-R``) skips the install above
+        session.error(f"SGLang {release} is not installed in {target}: run without -R")
     mark.write_text(recipe)
 
 

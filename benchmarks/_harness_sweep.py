@@ -167,14 +167,16 @@ def _abort_delay_ms(seen: Observation) -> float:
 
 
 def _lost(events: list[str]) -> bool:
-    """An abort that went out before its request (the stand-in says so; the real one cannot)."""
-    if "abort_lost" in events:
-        return True
-    return (
-        "abort" in events
-        and "request" in events
-        and events.index("abort") < events.index("request")
+    """An abort that went out before its request, which then came (the stand-in also says
+    ``abort_lost``; the real scheduler cannot). One whose request never came stopped all it
+    had to (SGLang 0.5.17 keeps an abort that comes before the dispatch, and never sends
+    the request); one that comes after another stopped it is a repeat, not a loss."""
+    if "request" not in events:
+        return False
+    first = min(
+        (events.index(kind) for kind in ("abort", "abort_lost") if kind in events), default=None
     )
+    return first is not None and first < events.index("request")
 
 
 def _row(approach: str, engine: str, phase: str, runs: list[Observation]) -> dict[str, Any]:

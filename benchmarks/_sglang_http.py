@@ -91,7 +91,12 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
     if override is not None:
         # Resolved config, changed as SGLang lets a runner change it.
         override("serve_throughput", port=port, skip_server_warmup=True)
-    else:  # older releases read both from their ServerArgs
+    # Releases up to 0.5.17 read both from their ServerArgs: read-only in 0.5.17,
+    # which changes them through an override of their own, plain fields before.
+    args_override = getattr(tm.server_args, "override", None)
+    if args_override is not None:
+        args_override("serve_throughput", port=port, skip_server_warmup=True)
+    elif override is None:
         tm.server_args.port, tm.server_args.skip_server_warmup = port, True
 
     def states() -> dict[str, Any]:

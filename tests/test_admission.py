@@ -105,29 +105,27 @@ async def test_the_host_header_must_name_an_allowed_host(start_server: StartServ
         assert await refused(server, "host_not_allowed") == 10
 
 
-async def test_a_request_refused_unread_leaves_the_connection_to_the_next_one(
+async def test_a_wrong_route_answered_unread_leaves_the_connection_to_the_next_one(
     start_server: StartServer,
 ) -> None:
-    """Refused before its body is read, a request still ends its HTTP/1.1 exchange.
+    """Answered before its body is read, a request to a wrong route still ends its exchange.
 
     Each request's headers go first and its body a moment later, as httpx
-    sends them. The body is read and dropped before the refusal, so the next
+    sends them. The body is read and dropped before the answer, so the next
     request on the same connection is answered too. Answered with its body
     still unread, the exchange was not over, hypercorn closed the connection,
     and the next request was lost.
     """
     server = await start_server(limits=ServerLimits(allowed_hosts=("127.0.0.1",)))
     body = json.dumps(GENERATE).encode()
-    refused = [
-        (b"/generate", b"host: evil.example\r\ncontent-type: application/json"),
-        (b"/generate", b"host: 127.0.0.1\r\ncontent-type: text/plain"),
+    wrong = [
         (b"/nowhere", b"host: 127.0.0.1\r\ncontent-type: application/json"),
         (b"/health", b"host: 127.0.0.1"),  # GET only
     ]
     answers = b""
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     async with stream:
-        for path, head in refused:
+        for path, head in wrong:
             await stream.send_all(b"POST %s HTTP/1.1\r\n%s\r\n" % (path, head))
             await stream.send_all(b"content-length: %d\r\n\r\n" % len(body))
             with trio.move_on_after(0.2):  # time to answer before the body, if it would
@@ -135,14 +133,72 @@ async def test_a_request_refused_unread_leaves_the_connection_to_the_next_one(
             await stream.send_all(body)
         await stream.send_all(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
         with trio.fail_after(10):
-            while answers.count(b"HTTP/1.1 ") < 5 or not answers.endswith(b"\r\n\r\n"):
+            while answers.count(b"HTTP/1.1 ") < 3 or not answers.endswith(b"\r\n\r\n"):
                 received = await stream.receive_some()
                 assert received, f"the server closed the connection: {answers!r}"
                 answers += received
     lines = answers.split(b"\r\n")
     statuses = [int(line.split()[1]) for line in lines if line.startswith(b"HTTP/1.1 ")]
-    assert statuses == [400, 415, 404, 405, 200]
+    assert statuses == [404, 405, 200]
     assert b"connection: close" not in answers.lower()
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"host: evil.example\r\ncontent-type: application/json", 400),
+        (b"host: 127.0.0.1\r\ncontent-type: text/plain", 415),
+        (b"host: 127.0.0.1\r\ncontent-type: application/json\r\nauthorization: Bearer no", 401),
+    ],
+)
+async def test_a_refusal_goes_at_once_and_closes_the_connection(
+    start_server: StartServer, head: bytes, status: int
+) -> None:
+    """Before issue 28 a refusal waited for the body (up to the read timeout, 30 s): a
+    client that never sent one held its connection slot, key or no key, all that time."""
+    limits = ServerLimits(allowed_hosts=("127.0.0.1",), api_key="k", request_read_timeout=30.0)
+    server = await start_server(limits=limits)
+    if status != 401:
+        head += b"\r\nauthorization: Bearer k"
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        # Headers that promise a body, and no body.
+        promise = b"content-length: 100\r\n\r\n"
+        await stream.send_all(b"POST /generate HTTP/1.1\r\n%s\r\n%s" % (head, promise))
+        answer = b""
+        with trio.fail_after(5):  # the answer at once, then the close within the linger
+            while received := await stream.receive_some():
+                answer += received
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer
+    assert b"connection: close" in answer.lower()
+
+
+async def test_content_length_with_transfer_encoding_is_refused_and_the_connection_closed(
+    start_server: StartServer,
+) -> None:
+    """RFC 9112, 6.3. Before issue 28 the connection stayed open, and the bytes after the
+    chunked body ran as a request of their own: here an abort_all."""
+    server = await start_server()
+    smuggled = (
+        b"POST /abort_request HTTP/1.1\r\nhost: x\r\n"
+        b"content-type: application/json\r\ncontent-length: 18\r\n\r\n"
+        b'{"abort_all": true}'
+    )
+    request = (
+        b"POST /health HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n"
+        b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n%s" % (5 + len(smuggled), smuggled)
+    )
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        await stream.send_all(request)
+        answer = b""
+        with trio.fail_after(5):
+            while received := await stream.receive_some():
+                answer += received
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert b"Content-Length and Transfer-Encoding" in answer
+    assert await refused(server, "bad_framing") == 1
 
 
 @pytest.mark.parametrize(
@@ -414,6 +470,13 @@ async def test_a_decode_server_reaches_only_allowed_bootstrap_addresses() -> Non
                     ("/generate", {"text": ["a", "b"], "bootstrap_port": [port, other]}),
                     ("/v1/completions", {**COMPLETION, "bootstrap_port": other}),
                     ("/v1/chat/completions", {**CHAT, "bootstrap_host": "10.0.0.1"}),
+                    # Hosts that no URL can carry as written (the brackets once passed
+                    # the allow-list, then made an URL httpx refused, which ended the
+                    # process, or hung the request).
+                    *(
+                        ("/generate", {**GENERATE, "bootstrap_host": host, "bootstrap_port": port})
+                        for host in ("[127.0.0.1]", "[127.0.0.1", "127.0.0.1]", "127.0.0.1/x")
+                    ),
                 ]
                 for path, body in bodies:
                     body = {"bootstrap_host": "127.0.0.1", "bootstrap_room": 7, **body}
@@ -427,7 +490,7 @@ async def test_a_decode_server_reaches_only_allowed_bootstrap_addresses() -> Non
                     )
                 metrics = (await client.get("/metrics")).text
                 assert (
-                    'trio_sglang_requests_refused_total{reason="bootstrap_not_allowed"} 6.0'
+                    'trio_sglang_requests_refused_total{reason="bootstrap_not_allowed"} 10.0'
                     in metrics
                 )
                 assert 'trio_sglang_sim_events_total{kind="registered"} 0.0' in metrics

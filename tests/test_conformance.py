@@ -127,14 +127,39 @@ def comparable(seen: Observation) -> Observation:
         finish_reasons=[r for r in seen.finish_reasons if r is not None],
         # Which children speak first is timing; that every id is public is not.
         ids_seen=sorted({i.split("_")[0] for i in seen.ids_seen}),
+        raised=seen.raised,
     )
 
 
 def expected_at_scheduler(name: str, semantics: dict[str, Any]) -> list[list[str]] | None:
-    """What the scheduler must see; a release without SGLang's abort dedupe passes a repeat."""
+    """What the scheduler must see; a release without SGLang's abort dedupe passes a repeat,
+    and one that keeps an abort sent before the dispatch (0.5.17) never sends the request."""
     if name == "trap-abort-twice" and not semantics["abort_dedupe"]:
         return [["request", "abort", "abort_applied", "abort", "abort_lost"]]
+    if name == "trap-abort-while-tokenizing" and semantics["early_abort_kept"]:
+        return [["abort", "abort_lost"]]  # the request itself never goes
     return EXPECTED_AT_SCHEDULER.get(name)
+
+
+def modelled(name: str, semantics: dict[str, Any]) -> bool:
+    """Whether the SimEngine (SGLang 0.5.20 on) models what this release does in ``name``."""
+    if name == "trap-abort-twice":
+        return bool(semantics["abort_dedupe"])
+    if name == "trap-abort-while-tokenizing":
+        return not semantics["early_abort_kept"]
+    return True
+
+
+def without_repeats(scenario: Scenario, real: Observation, semantics: dict[str, Any]) -> None:
+    """On 0.5.17, whose close aborts what was dispatched and which drops no repeat, an
+    ``n > 1`` child may get the lifecycle's abort and then its close's: the scheduler
+    drops the second (``abort_lost`` after ``abort_applied``), which stops nothing twice
+    and loses nothing. Those are left out here; a trap shows what it sent as it was."""
+    if scenario.trap is not None or semantics["close"] != "aborts" or semantics["abort_dedupe"]:
+        return
+    for events in real.scheduler:
+        while events[-2:] == ["abort", "abort_lost"] and "abort_applied" in events[:-2]:
+            del events[-2:]
 
 
 async def test_the_sim_and_the_real_tokenizer_manager_agree(harness: SGLangHarness) -> None:
@@ -154,13 +179,14 @@ async def test_the_sim_and_the_real_tokenizer_manager_agree(harness: SGLangHarne
             scenario, first_token_delay=FIRST_TOKEN_DELAY, token_interval=TOKEN_INTERVAL
         )
         print(f"{scenario.name}: {comparable(real)}")
+        without_repeats(scenario, real, semantics)
         assert real.registered_after == 0, (scenario.name, real)
         expected = expected_at_scheduler(scenario.name, semantics)
         if expected is not None:
             assert real.scheduler == expected, scenario.name
-        # The SimEngine is SGLang 0.5.23's model: a repeated abort is dropped there.
-        modelled = scenario.name != "trap-abort-twice" or semantics["abort_dedupe"]
-        if modelled and comparable(real) != comparable(sim):
+        kept = scenario.name == "trap-abort-while-tokenizing" and semantics["early_abort_kept"]
+        assert real.raised == ("RequestAbortedError" if kept else None), scenario.name
+        if modelled(scenario.name, semantics) and comparable(real) != comparable(sim):
             disagreements.append((scenario.name, comparable(sim), comparable(real)))
     assert disagreements == []
 

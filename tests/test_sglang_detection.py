@@ -49,6 +49,7 @@ class FlagState:  # 0.5.17
     finished: bool
     time_stats: Any = None
     dispatched: bool = False
+    abort_requested: bool = False
 
 
 @dataclasses.dataclass
@@ -144,16 +145,32 @@ NONE, STATS, FLAG = DispatchMark.NONE, DispatchMark.TIME_STATS, DispatchMark.FLA
 @pytest.mark.parametrize(
     ("tm", "state", "expected"),
     [
-        (RegistersAtSend, OldState, (False, NONE, CloseRelease.KEEPS, False, False, False)),
+        (
+            RegistersAtSend,
+            OldState,
+            (False, NONE, CloseRelease.KEEPS, False, False, False, False),
+        ),
         (
             KeepsAbortedInQueue,
             TimeStatsState,
-            (True, STATS, CloseRelease.KEEPS, False, False, False),
+            (True, STATS, CloseRelease.KEEPS, False, False, False, False),
         ),
-        (KeepsOnClose, TimeStatsState, (True, STATS, CloseRelease.KEEPS, False, False, True)),
-        (ForgetsOnClose, TimeStatsState, (True, STATS, CloseRelease.FORGETS, False, False, True)),
-        (AbortsOnClose, FlagState, (True, FLAG, CloseRelease.ABORTS, False, True, True)),
-        (ReleasesOnClose, DedupeState, (True, FLAG, CloseRelease.RELEASES, True, False, True)),
+        (
+            KeepsOnClose,
+            TimeStatsState,
+            (True, STATS, CloseRelease.KEEPS, False, False, True, False),
+        ),
+        (
+            ForgetsOnClose,
+            TimeStatsState,
+            (True, STATS, CloseRelease.FORGETS, False, False, True, False),
+        ),
+        (AbortsOnClose, FlagState, (True, FLAG, CloseRelease.ABORTS, False, True, True, True)),
+        (
+            ReleasesOnClose,
+            DedupeState,
+            (True, FLAG, CloseRelease.RELEASES, True, False, True, False),
+        ),
     ],
 )
 def test_each_release_lines_shape_is_detected(
@@ -167,11 +184,14 @@ def test_each_release_lines_shape_is_detected(
         found.abort_dedupe,
         found.children_named_by_parent,
         found.queued_abort_forgets,
+        found.early_abort_kept,
     ) == expected
 
 
 def semantics(version: str | None, **changes: Any) -> SGLangSemantics:
-    supported = SGLangSemantics(version, True, FLAG, CloseRelease.RELEASES, True, False, True)
+    supported = SGLangSemantics(
+        version, True, FLAG, CloseRelease.RELEASES, True, False, True, False
+    )
     return dataclasses.replace(supported, **changes)
 
 

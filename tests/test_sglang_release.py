@@ -34,15 +34,16 @@ from trio_sglang.harness import Scenario, open_sglang_harness
 
 pytestmark = pytest.mark.sglang
 
-_KEEPS = ("time_stats", "keeps", False, False, True)
-_FORGETS = ("time_stats", "forgets", False, False, True)
-_RELEASES = ("dispatched", "releases", True, False, True)
+_KEEPS = ("time_stats", "keeps", False, False, True, False)
+_FORGETS = ("time_stats", "forgets", False, False, True, False)
+_RELEASES = ("dispatched", "releases", True, False, True, False)
 #: Per release: dispatch mark, what its close does, abort dedupe, children named by
-#: parent, a request aborted in the waiting queue forgotten.
-READ_FROM_THE_CODE: dict[str, tuple[str, str, bool, bool, bool]] = {
-    **dict.fromkeys(("0.5.10", "0.5.12"), ("time_stats", "keeps", False, False, False)),
+#: parent, a request aborted in the waiting queue forgotten, an abort before the
+#: dispatch kept.
+READ_FROM_THE_CODE: dict[str, tuple[str, str, bool, bool, bool, bool]] = {
+    **dict.fromkeys(("0.5.10", "0.5.12"), ("time_stats", "keeps", False, False, False, False)),
     **dict.fromkeys(("0.5.14", "0.5.15", "0.5.16"), _KEEPS),
-    "0.5.17": ("dispatched", "aborts", False, True, True),
+    "0.5.17": ("dispatched", "aborts", False, True, True, True),
     **dict.fromkeys(("0.5.18", "0.5.19"), _FORGETS),
     **dict.fromkeys(("0.5.20", "0.5.21", "0.5.22", "0.5.23"), _RELEASES),
 }
@@ -66,6 +67,7 @@ def test_the_detected_semantics_are_what_the_releases_code_reads() -> None:
         semantics.abort_dedupe,
         semantics.children_named_by_parent,
         semantics.queued_abort_forgets,
+        semantics.early_abort_kept,
     )
     assert found == READ_FROM_THE_CODE[release()]
 

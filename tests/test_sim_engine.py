@@ -683,3 +683,29 @@ async def test_aclose_during_another_tasks_pull(
         assert "dispatched" not in kinds[kinds.index("released") :], h.timeline("r1")
     assert pull_ended, "the pull in progress never ended"
     assert_idle(engine)
+
+
+async def test_the_prefix_cache_keeps_no_salt_it_was_given(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Before issue 28 it kept each ``cache_salt`` whole: 300 salts of 1 MB pinned 300 MB."""
+    import gc
+    import tracemalloc
+
+    engine = SimEngine(keep_trace=False)  # as serve runs it
+    tracemalloc.start()
+    try:
+        async with engine.running():
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(20):
+                salt = f"{i:08}" + "s" * (1 << 20)
+                stream = engine.generate({**request(f"salted-{i}"), "cache_salt": salt})
+                async for _ in stream:
+                    pass
+                del salt, stream
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, f"{held} bytes held after 20 salts of 1 MB"

@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 import resource
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,9 @@ from ._sglang_semantics import UnsupportedSGLang
 from ._version import __version__
 from .bench_endpoint._options import add_options as add_bench_endpoint_options
 from .sim import SimDisaggTiming
+
+#: What ``serve`` takes as "shut down" (and, a second time, "now").
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 if TYPE_CHECKING:
     from .server import HTTPPrefill
@@ -285,6 +289,12 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         "when it catches up); a client further behind is gone",
     )
     edge.add_argument(
+        "--http2",
+        action="store_true",
+        help="also speak cleartext HTTP/2 (prior knowledge, h2c); off by default: a client "
+        "that grants no flow-control window there holds its streams past every bound",
+    )
+    edge.add_argument(
         "--sse-heartbeat",
         type=_seconds,
         default=limits.sse_heartbeat,
@@ -424,6 +434,7 @@ def _server_limits(args: argparse.Namespace) -> ServerLimits:
         keep_alive_timeout=args.keep_alive_timeout,
         request_read_timeout=args.request_read_timeout,
         client_stall_timeout=args.client_stall_timeout,
+        http2=args.http2,
         max_unsent_tokens=args.max_unsent_tokens,
         sse_heartbeat=args.sse_heartbeat,
         max_body_bytes=args.max_body_bytes,
@@ -623,11 +634,29 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
 async def _serve_until_stopped(
     args: argparse.Namespace, limits: ServerLimits, prefill: HTTPPrefill | None
 ) -> None:
-    """The engine, and what one side of a disaggregated pair needs, around the server."""
+    """The engine, and what one side of a disaggregated pair needs, around the server.
+
+    From here to the process's exit no SIGINT or SIGTERM meets Python's default
+    handler (a traceback, or death by SIGTERM with the wrong status): ``serve``
+    takes them while it runs; an outer receiver, never read, takes those that
+    come before or after it; and when that closes it leaves what it found,
+    both ignored, for the interpreter's exit. Set with no checkpoint between,
+    there is no moment without one or the other.
+    """
+    for signum in _SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    with trio.open_signal_receiver(*_SIGNALS):
+        await _run_server(args, limits, prefill)
+
+
+async def _run_server(
+    args: argparse.Namespace, limits: ServerLimits, prefill: HTTPPrefill | None
+) -> None:
     from .server import serve
 
     async with contextlib.AsyncExitStack() as stack:
-        engine, hosted = await stack.enter_async_context(open_engine(_engine_options(args)))
+        options = _engine_options(args, peer_api_key=limits.api_key)
+        engine, hosted = await stack.enter_async_context(open_engine(options))
         if prefill is not None:
             await stack.enter_async_context(prefill)
         await serve(
@@ -645,7 +674,7 @@ async def _serve_until_stopped(
         )
 
 
-def _engine_options(args: argparse.Namespace) -> EngineOptions:
+def _engine_options(args: argparse.Namespace, *, peer_api_key: str | None = None) -> EngineOptions:
     options = args.sglang_options
     mode = args.disaggregation_mode
     return EngineOptions(
@@ -666,6 +695,7 @@ def _engine_options(args: argparse.Namespace) -> EngineOptions:
                 kv_wait_timeout=args.sim_kv_wait_timeout,
             ),
         },
+        peer_api_key=peer_api_key,
     )
 
 

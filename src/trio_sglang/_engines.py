@@ -37,6 +37,9 @@ class EngineOptions:
     sglang_args: Mapping[str, Any] = field(default_factory=dict)
     #: ``SimEngine`` arguments (its delays, ``disagg_timing``); its defaults where absent.
     sim_args: Mapping[str, Any] = field(default_factory=dict)
+    #: The key a decode SimEngine sends to the prefill servers whose KV rooms it
+    #: reaches: their ``--api-key`` (a pair shares one, as ``--prefill-url`` does).
+    peer_api_key: str | None = None
 
 
 @asynccontextmanager
@@ -63,7 +66,9 @@ async def open_engine(
         elif mode == "decode":
             from .server import open_http_kv_rooms  # the serve extra
 
-            rooms = await stack.enter_async_context(open_http_kv_rooms())
+            rooms = await stack.enter_async_context(
+                open_http_kv_rooms(api_key=options.peer_api_key)
+            )
         engine = SimEngine(
             **options.sim_args,
             keep_trace=False,  # a server runs for days: counts only (exported in /metrics)

@@ -47,6 +47,13 @@ class ServerLimits:
     #: comment, which clients ignore: a proxy that notices a gone client only
     #: when it writes (sglang-router) then notices within this. 0: never.
     sse_heartbeat: float = 0.1
+    #: Whether a client may speak HTTP/2 (cleartext: prior knowledge, or an h2c
+    #: upgrade). Off by default: in hypercorn's HTTP/2 layer a client that
+    #: grants no flow-control window holds its streams, and their connection,
+    #: past every bound here (no write ever waits, so none can time out).
+    #: SGLang's own server speaks HTTP/1.1 only. Off, an h2c upgrade is
+    #: answered in HTTP/1.1, and the HTTP/2 preface gets an HTTP/1.1 error.
+    http2: bool = False
 
     # -- admission ----------------------------------------------------------
     #: Largest request body taken; a larger one gets 413.
@@ -82,6 +89,8 @@ class ServerLimits:
             elif name.startswith("max_") or (name == "context_length" and value is not None):
                 if not _is_number(value) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            elif name == "http2" and not isinstance(value, bool):
+                raise ValueError(f"http2 must be a bool, got {value!r}")
             elif name == "api_key" and value == "":
                 raise ValueError("api_key must not be empty (None: no key)")
             elif name.endswith("_hosts"):

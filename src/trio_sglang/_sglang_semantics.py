@@ -3,10 +3,11 @@
 SGLang's cancellation semantics changed from release to release (when a
 request is registered, which mark says it was dispatched, what closing its
 generator does, whether a repeated abort is dropped, how ``n > 1`` children
-are named). A version table would be wrong for every patched or unreleased
-build, so this module reads the installed ``TokenizerManager`` instead: the
-fields of its ``ReqState`` and, with ``ast``, the few methods whose shape
-decides the lifecycle. ``SGLangEngine`` detects once, at start, refuses a
+are named, what becomes of an abort that comes before the dispatch). A
+version table would be wrong for every patched or unreleased build, so this
+module reads the installed ``TokenizerManager`` instead: the fields of its
+``ReqState`` and, with ``ast``, the few methods whose shape decides the
+lifecycle. ``SGLangEngine`` detects once, at start, refuses a
 release it cannot stop requests on, and covers what the release's own close
 leaves undone (``_sglang_release.py``).
 """
@@ -82,6 +83,11 @@ class SGLangSemantics:
     #: A request aborted in the scheduler's waiting queue is forgotten when its
     #: abort comes back (False, 0.5.12 and older: its state stays registered).
     queued_abort_forgets: bool
+    #: An abort that comes before the dispatch is kept (``ReqState.abort_requested``,
+    #: 0.5.17 only): the request is never sent, and its generator raises SGLang's
+    #: ``RequestAbortedError``. Elsewhere such an abort is lost, which the lifecycle
+    #: never lets happen (it aborts only after the dispatch).
+    early_abort_kept: bool
 
     @property
     def supported(self) -> bool:
@@ -102,6 +108,7 @@ class SGLangSemantics:
             "abort_dedupe": self.abort_dedupe,
             "children_named_by_parent": self.children_named_by_parent,
             "queued_abort_forgets": self.queued_abort_forgets,
+            "early_abort_kept": self.early_abort_kept,
         }
 
 
@@ -133,6 +140,7 @@ def detect_semantics(
         abort_dedupe="abort_sent" in fields,
         children_named_by_parent=_regenerates_with_prefix(_method(tm, "_handle_batch_request")),
         queued_abort_forgets=_forgets(_method(tm, "_handle_abort_req")),
+        early_abort_kept="abort_requested" in fields,
     )
 
 

@@ -126,6 +126,10 @@ class Observation:
     #: Requests the scheduler itself still ran or queued at the end, where it says
     #: (the whole ``sglang.Engine``: its load snapshot); None where it cannot.
     scheduler_held_after: int | None = None
+    #: The exception the caller's stream ended with (its class name), if it did:
+    #: SGLang 0.5.17 ends a request aborted before its dispatch with its
+    #: ``RequestAbortedError``, which Dynamo's handler passes on.
+    raised: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -361,13 +365,16 @@ async def _run_request(
                 nursery.start_soon(
                     _at_phase, engine, stream.rid, target, scenario.cancel_delay, cancel
                 )
-            async for chunk in stream.chunks:
-                _note_chunk(seen, chunk, stream.output)
-                if seen.chunks == 2 and scenario.cancel == "mid_stream":
-                    cancel()
-                elif seen.chunks == 2 and scenario.cancel == "consumer_leaves":
-                    cancelled_at = clock()
-                    break  # no signal: the caller just goes
+            try:
+                async for chunk in stream.chunks:
+                    _note_chunk(seen, chunk, stream.output)
+                    if seen.chunks == 2 and scenario.cancel == "mid_stream":
+                        cancel()
+                    elif seen.chunks == 2 and scenario.cancel == "consumer_leaves":
+                        cancelled_at = clock()
+                        break  # no signal: the caller just goes
+            except Exception as exc:  # observed, and compared by whoever reads the observation
+                seen.raised = type(exc).__name__
             if scenario.cancel == "after_finish":
                 cancel()
         if cancelled_at is not None:
@@ -437,6 +444,9 @@ async def _run_trap(engine: Engine, scenario: Scenario, seen: Observation) -> No
                 try:
                     out = await stream.__anext__()
                 except StopAsyncIteration:
+                    break
+                except Exception as exc:  # SGLang 0.5.17's end of an abort it kept
+                    seen.raised = type(exc).__name__
                     break
                 seen.chunks += 1
                 seen.finish_reasons.append(_reason(out["meta_info"]["finish_reason"]))

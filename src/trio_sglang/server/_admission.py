@@ -4,8 +4,9 @@ What an engine takes in is what a client can make it hold, so the bounds of
 ``ServerLimits`` are checked at the HTTP edge, each as early as what it needs
 allows, and a refused request never reaches the worker:
 
-- ``check_access``, every route, from the headers alone: the Host header
-  against ``allowed_hosts`` (a page in a browser that reaches a local server
+- ``check_access``, every route, from the headers alone: the framing (not
+  both Content-Length and Transfer-Encoding), the Host header against
+  ``allowed_hosts`` (a page in a browser that reaches a local server
   through a name of its own, DNS rebinding, is refused), then the API key;
 - ``check_content_type``, the generation routes, before the body is read:
   only JSON bodies (a browser sends a form or plain text to any address
@@ -31,6 +32,7 @@ from .._disagg import PrefillPeer
 from .._limits import Address, ServerLimits, parse_address
 from ._asgi import Scope
 from ._errors import HTTPError
+from ._kv_rooms import bootstrap_base_url
 from ._metrics import RefusalReason, ServerMetrics
 
 __all__ = ["Admission", "Refused"]
@@ -86,7 +88,18 @@ class Admission:
         return Refused(reason, status, message, **details)
 
     def check_access(self, scope: Scope, *, needs_key: bool) -> None:
-        """The Host header, then (if ``needs_key``) ``Authorization: Bearer <api_key>``."""
+        """The framing, the Host header, then (if ``needs_key``) ``Authorization: Bearer``.
+
+        A request with both Content-Length and Transfer-Encoding is refused, and
+        its connection closed (RFC 9112, 6.3): a proxy that framed it by the
+        length would send what follows the chunked body as a request of its own.
+        """
+        if _headers(scope, b"content-length") and _headers(scope, b"transfer-encoding"):
+            raise self._refuse(
+                "bad_framing",
+                400,
+                "a request must not carry both Content-Length and Transfer-Encoding",
+            )
         if self._hosts and not _all(
             _headers(scope, b"host"), lambda value: _allowed(self._hosts, parse_address(value))
         ):
@@ -215,11 +228,21 @@ class Admission:
             else ((host, port) for host in host_list for port in port_list)
         )
         for host, port in pairs:
-            if not (
-                isinstance(host, str)
-                and (port is None or _is_int(port))
-                and _allowed(self._bootstrap, (_bare(host), port))
-            ):
+            if not (isinstance(host, str) and (port is None or _is_int(port))):
+                allowed = False
+            # As the decode engine will build its URL: a bracketed or otherwise
+            # malformed host would name no address, or another than the one allowed.
+            elif bootstrap_base_url(host, 0 if port is None else port) is None:
+                raise self._refuse(
+                    "bootstrap_not_allowed",
+                    400,
+                    f"bootstrap_host {host!r:.100} is not a host name or an IP address "
+                    "(written bare, an IPv6 address without brackets)",
+                    param="bootstrap_host",
+                )
+            else:
+                allowed = _allowed(self._bootstrap, (host.lower(), port))
+            if not allowed:
                 raise self._refuse(
                     "bootstrap_not_allowed",
                     400,

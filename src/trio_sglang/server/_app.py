@@ -26,7 +26,7 @@ from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
 from .._worker import ResponseStream, Worker
-from ._admission import Admission
+from ._admission import Admission, Refused
 from ._asgi import (
     SSE_DONE,
     SSE_HEARTBEAT,
@@ -149,9 +149,9 @@ class ServerApp:
         }
         rooms = self._rooms if path.startswith(ROOMS_PATH) else None
         try:
-            # /health is for load balancers, which send no key; the rooms are for
-            # the decode side's HTTPKVRooms, which has no key to send.
-            self._admission.check_access(scope, needs_key=path != "/health" and rooms is None)
+            # /health is for load balancers, which send no key; the rooms take the
+            # key too (the decode side's HTTPKVRooms sends its own: a pair shares one).
+            self._admission.check_access(scope, needs_key=path != "/health")
             if rooms is not None and method == "POST":  # a decode peer's events: JSON only
                 self._admission.check_content_type(scope)
         except HTTPError as exc:
@@ -307,7 +307,10 @@ class ServerApp:
     async def _send_early(self, receive: Receive, send: Send, error: HTTPError) -> None:
         """``error``, answered before the body was read (see ``send_early``)."""
         seconds = self.limits.request_read_timeout
-        await send_early(receive, send, seconds, error.status, error.body(), error.headers)
+        refusal = isinstance(error, Refused)
+        await send_early(
+            receive, send, seconds, error.status, error.body(), error.headers, refusal=refusal
+        )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         limits = self.limits

@@ -43,6 +43,8 @@ SSE_HEARTBEAT = b": keep-alive\n\n"
 #: a little over the limit is read to its end (Go's net/http drains as much).
 #: Past that the 413 goes at once, and the client may see only the reset.
 DRAIN_BYTES = 1 << 18
+#: How long a connection a refusal closes stays to take what the client sent (seconds).
+LINGER = 1.0
 
 
 class ClientGone(Exception):
@@ -115,29 +117,48 @@ async def send_early(
     status: int,
     data: object,
     headers: Sequence[tuple[bytes, bytes]] = (),
+    *,
+    refusal: bool = False,
 ) -> None:
     """An answer given before the request's body was read (a refusal, a wrong route).
 
-    The body is read first and dropped, up to ``DRAIN_BYTES`` and within
-    ``seconds``: answered with it unread, the HTTP/1.1 exchange is not over,
-    so hypercorn closes the connection under a client that sent its next
-    request already, and that request is lost with no answer. A body past
-    those bounds is left, and the answer says ``connection: close``.
+    A wrong route's body is read first and dropped, up to ``DRAIN_BYTES`` and
+    within ``seconds``: answered with it unread, the HTTP/1.1 exchange is not
+    over, so hypercorn closes the connection under a client that sent its
+    next request already, and that request is lost with no answer. A body
+    past those bounds is left, and the answer says ``connection: close``.
+
+    A ``refusal`` (no key, a wrong Host or Content-Type, a bad framing) is
+    not worth a wait for a body that may never come: it goes at once, says
+    ``connection: close``, and the connection ends after at most ``LINGER``
+    seconds, which drain what the client already sent so that the close
+    does not reset the answer away before it is read.
     """
-    drained = False
+    if refusal:
+        await send_json(send, status, data, [*headers, (b"connection", b"close")])
+        await _drain(receive, min(seconds, LINGER))
+        return
+    drained = await _drain(receive, seconds)
+    if drained is None:
+        return  # nobody to answer
+    if not drained:
+        headers = [*headers, (b"connection", b"close")]
+    await send_json(send, status, data, headers)
+
+
+async def _drain(receive: Receive, seconds: float) -> bool | None:
+    """Read the body to its end, up to ``DRAIN_BYTES`` within ``seconds``: whether it
+    ended (``None``: the client disconnected)."""
     with trio.move_on_after(seconds):
         read = 0
         while read <= DRAIN_BYTES:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # nobody to answer
+                return None
             read += len(message.get("body", b""))
             if not message.get("more_body", False):
-                drained = True
-                break
-    if not drained:
-        headers = [*headers, (b"connection", b"close")]
-    await send_json(send, status, data, headers)
+                return True
+    return False
 
 
 def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:

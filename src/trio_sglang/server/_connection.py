@@ -1,7 +1,7 @@
 """``ClientConnection``: one client's connection, which it can never hold open against us.
 
-hypercorn's trio connection (``TCPServer``) with four differences, the first
-three each found by a client that held the server, the last by the serving
+hypercorn's trio connection (``TCPServer``) with five differences, the first
+four each found by a client that held the server, the last by the serving
 benchmark (``benchmarks/serve_throughput.py``):
 
 * **A write that the client does not take is bounded.** hypercorn shields
@@ -15,6 +15,12 @@ benchmark (``benchmarks/serve_throughput.py``):
   reset, which also ends a write in progress. The app drops a client that has
   fallen too far behind, and the server drops an idle connection when it has
   no room for a new one, and whatever its shutdown grace did not see close.
+* **HTTP/2 only if asked for** (``http2``): otherwise the connection stays
+  HTTP/1.1 (``_HTTP11Only``): an h2c upgrade is answered in HTTP/1.1, and
+  the HTTP/2 preface is taken as the HTTP/1.1 request it reads as (and gets
+  a 404, then a 400 for what follows it). In hypercorn's HTTP/2 layer, a
+  client that grants no flow-control window would hold its streams past
+  the write deadline above: no write ever waits there.
 * **A write the socket can take goes out at once** (``_write_now``), without
   the lock wait, the shield and the deadline a write that has to wait needs.
   A streamed response is a write per event, and those cost more than the
@@ -27,12 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import struct
+from collections import Counter
 from contextvars import ContextVar
 from typing import Literal
 
+import h11
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
@@ -43,7 +52,7 @@ from hypercorn.typing import AppWrapper, ConnectionState
 
 from ._metrics import ServerMetrics
 
-__all__ = ["ClientConnection", "DropReason", "current_connection"]
+__all__ = ["ClientConnection", "DropLog", "DropReason", "current_connection"]
 
 logger = logging.getLogger("trio_sglang.server")
 
@@ -79,6 +88,8 @@ class ClientConnection(TCPServer):
         *,
         stall_timeout: float,
         metrics: ServerMetrics,
+        http2: bool = False,
+        drops: DropLog | None = None,
     ) -> None:
         # hypercorn annotates the stream as an SSLStream; its own loop passes
         # plain SocketStreams, as here.
@@ -86,6 +97,8 @@ class ClientConnection(TCPServer):
         self._socket = stream.socket
         self._stall_timeout = stall_timeout
         self._metrics = metrics
+        self._http2 = http2
+        self._drops = DropLog() if drops is None else drops
         self.dropped: DropReason | None = None
         #: No request in flight: before the first one's headers, or between two.
         self.idle = True
@@ -110,10 +123,13 @@ class ClientConnection(TCPServer):
             return
         self.dropped = reason
         self._metrics.clients_dropped.labels(reason).inc()
-        # One line per client that was gone; idle ones (many, under a flood) and
-        # those of a shutdown (counted once, there) only at DEBUG.
-        level = logging.INFO if reason in ("stalled", "behind") else logging.DEBUG
-        logger.log(level, "dropped client %s: %s", _peer(self._socket), _WHY[reason])
+        # Each at DEBUG; those that were gone (stalled, behind) also at INFO, but
+        # in one line per interval with a count: a thousand slow readers at once
+        # are a line, not a thousand. Idle ones and those of a shutdown (counted
+        # once, there) only at DEBUG.
+        logger.debug("dropped client %s: %s", _peer(self._socket), _WHY[reason])
+        if reason in ("stalled", "behind"):
+            self._drops.note(reason)
         with contextlib.suppress(OSError):  # already closed, or the peer's reset came first
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
         self._socket.close()
@@ -182,10 +198,69 @@ class ClientConnection(TCPServer):
         return True
 
     async def _read_data(self) -> None:
+        # Called once, after hypercorn made the protocol and before any byte is read.
+        if not self._http2 and isinstance(self.protocol.protocol, H11Protocol):
+            self.protocol.protocol = _HTTP11Only.instead_of(self.protocol.protocol)
         await super()._read_data()
         # The client is gone (EOF, reset, or dropped): end its keep-alive wait
         # too, which hypercorn would otherwise sit out before closing.
         await self.idle_task.stop()
+
+
+class DropLog:
+    """The INFO line for dropped clients: at most one per ``interval`` seconds.
+
+    The first drop is logged at once; those within the next ``interval`` are
+    counted, and the next line after it says how many there were.
+    ``trio_sglang_clients_dropped_total`` counts each.
+    """
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self._interval = interval
+        self._next = -math.inf
+        self._pending: Counter[DropReason] = Counter()
+
+    def note(self, reason: DropReason) -> None:
+        self._pending[reason] += 1
+        now = trio.current_time()
+        if now < self._next:
+            return
+        self._next = now + self._interval
+        counts = ", ".join(f"{n} {why}" for why, n in sorted(self._pending.items()))
+        logger.info(
+            "dropped clients (%s): they took no bytes within the stall timeout, or fell "
+            "further behind than the server holds; those of the next %g s are counted in "
+            "trio_sglang_clients_dropped_total, and summed in the next such line",
+            counts,
+            self._interval,
+        )
+        self._pending.clear()
+
+
+class _HTTP11Only(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, never handing the connection over to HTTP/2.
+
+    Its ``_check_protocol`` is where hypercorn switches (an h2c upgrade, or
+    the HTTP/2 preface read as a request): here it does not, so the request
+    goes on as HTTP/1.1, as RFC 9110 lets a server ignore an upgrade.
+    """
+
+    @classmethod
+    def instead_of(cls, protocol: H11Protocol) -> _HTTP11Only:
+        return cls(
+            protocol.app,
+            protocol.config,
+            protocol.context,
+            protocol.task_group,
+            protocol.connection_state,
+            protocol.ssl,
+            protocol.client,
+            protocol.server,
+            protocol.send,
+        )
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        return None
 
 
 _WHY: dict[DropReason, str] = {

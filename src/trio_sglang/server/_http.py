@@ -28,7 +28,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from .._limits import ServerLimits
 from ._app import ServerApp
-from ._connection import ClientConnection
+from ._connection import ClientConnection, DropLog
 
 __all__ = ["HTTPServer", "ListenError"]
 
@@ -59,6 +59,7 @@ class HTTPServer:
         self._all_closed: trio.Event | None = None
         self._grace = trio.CancelScope()
         self._starved = False  # accept() is out of descriptors: logged once per episode
+        self._drops = DropLog()  # one INFO line per interval for clients that were gone
 
     def hurry(self) -> None:
         """End the shutdown grace now (a second signal): open connections are reset."""
@@ -169,7 +170,9 @@ class HTTPServer:
             self._context,
             stream,
             stall_timeout=self._limits.client_stall_timeout,
+            http2=self._limits.http2,
             metrics=self._app.metrics,
+            drops=self._drops,
         )
         self._open[connection] = None
         try:

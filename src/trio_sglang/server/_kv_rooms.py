@@ -32,7 +32,9 @@ Only the decode side's calls cross the network, as in SGLang:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -45,8 +47,9 @@ import trio
 from .._kv_rooms import BootstrapAddr, HostedKVRooms, RoomEvent
 from ._asgi import ClientGone, Receive, Scope, Send, read_json_within, send_json
 from ._errors import HTTPError, method_not_allowed
+from ._peer_answer import BadAnswer, read_answer
 
-__all__ = ["ROOMS_PATH", "HTTPKVRooms", "KVRoomsApp", "open_http_kv_rooms"]
+__all__ = ["ROOMS_PATH", "HTTPKVRooms", "KVRoomsApp", "bootstrap_base_url", "open_http_kv_rooms"]
 
 logger = logging.getLogger("trio_sglang.server")
 
@@ -54,11 +57,33 @@ logger = logging.getLogger("trio_sglang.server")
 ROOMS_PATH = "/bootstrap/rooms/"
 #: The longest the server holds a long poll, whatever the client asks.
 MAX_HOLD = 30.0
-#: A message is a few events and a flag.
+#: The most rooms a prefill server holds at once (a room per disaggregated request).
+MAX_ROOMS = 65_536
+#: A message, either way (a decode side's post, a room's answer), is a few events and a flag.
 _MAX_MESSAGE_BYTES = 4096
 _EVENTS: tuple[RoomEvent, ...] = get_args(RoomEvent)
 #: Hosted rooms are the bootstrap server itself: the address is this one.
 _HERE = BootstrapAddr()
+#: A DNS name as RFC 1123 writes one: labels of letters, digits and inner hyphens.
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def bootstrap_base_url(host: str, port: int) -> str | None:
+    """``http://host:port`` for a request's bootstrap address; ``None`` if ``host`` is no host.
+
+    A host is a DNS name or an IP literal, written bare (an IPv6 literal gets
+    its brackets here): anything else, ``[127.0.0.1]`` or a path or a space,
+    would make a URL that is not the address that admission allowed, or none
+    at all. Admission refuses what this refuses, so a request never gets as
+    far as the connection.
+    """
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        if len(host) > 253 or not _HOST_NAME.fullmatch(host):
+            return None
+        return f"http://{host}:{port}"
+    return f"http://[{literal}]:{port}" if literal.version == 6 else f"http://{literal}:{port}"
 
 
 # -- the prefill server's side -------------------------------------------------
@@ -74,11 +99,19 @@ class KVRoomsApp:
     has; none after ``hold`` seconds, and none at once for a room the server
     does not hold (never handshaken, or forgotten by both sides): the client
     asks again later.
+
+    A ``POST`` that would make a room past ``max_rooms`` held is a 503: a
+    room is a few hundred bytes, held until both sides are done with it or
+    until the rooms forget it (``SimKVRooms``: 300 s), and the routes take
+    the server's API key, so only its peers can make one.
     """
 
-    def __init__(self, rooms: HostedKVRooms, *, read_timeout: float) -> None:
+    def __init__(
+        self, rooms: HostedKVRooms, *, read_timeout: float, max_rooms: int = MAX_ROOMS
+    ) -> None:
         self.rooms = rooms
         self._read_timeout = read_timeout
+        self._max_rooms = max_rooms
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -107,6 +140,13 @@ class KVRoomsApp:
             raise HTTPError(400, f"'events' must be a list of {', '.join(_EVENTS)}")
         if not isinstance(done, bool):
             raise HTTPError(400, "'done' must be a bool")
+        if events and room not in self.rooms and len(self.rooms) >= self._max_rooms:
+            raise HTTPError(
+                503,
+                f"this prefill server holds {self._max_rooms} KV rooms, its limit",
+                kind="server_error",
+                headers=[(b"retry-after", b"1")],
+            )
         for event in events:
             self.rooms.post(room, event, _HERE)
         if done:
@@ -202,6 +242,7 @@ class HTTPKVRooms:
         self._client = client
         self._nursery = nursery
         self._hold = hold
+        self._http_timeout = http_timeout
         self._poll_timeout = httpx.Timeout(http_timeout, read=http_timeout + hold)
         self._retry_interval = retry_interval
         self._delivery_timeout = delivery_timeout
@@ -246,11 +287,12 @@ class HTTPKVRooms:
     def _room(self, room: int, at: BootstrapAddr) -> _RemoteRoom:
         state = self._rooms.get((at, room))
         if state is None:
-            url = None
+            base = None
             if at.host is not None and at.port is not None:
-                host = f"[{at.host}]" if ":" in at.host else at.host
-                url = f"http://{host}:{at.port}{ROOMS_PATH}{room}"
-            state = self._rooms[at, room] = _RemoteRoom(url)
+                base = bootstrap_base_url(at.host, at.port)
+            state = self._rooms[at, room] = _RemoteRoom(
+                None if base is None else f"{base}{ROOMS_PATH}{room}"
+            )
         return state
 
     def _send_soon(self, room: int, at: BootstrapAddr, state: _RemoteRoom) -> None:
@@ -276,19 +318,26 @@ class HTTPKVRooms:
 
     async def _deliver(self, room: int, state: _RemoteRoom, message: dict[str, Any]) -> None:
         """``POST`` one message; retried for at most ``delivery_timeout``, then logged."""
-        why = "the request named no bootstrap_host and bootstrap_port"
+        why = "the request named no bootstrap address that is a host and a port"
         with trio.move_on_after(self._delivery_timeout):
             while state.url is not None:
                 started = trio.current_time()
                 try:
-                    response = await self._client.post(state.url, json=message)
-                except httpx.HTTPError as exc:  # every attempt is bounded by the client's timeout
-                    why = repr(exc)
+                    answer = await read_answer(
+                        self._client,
+                        "POST",
+                        state.url,
+                        json=message,
+                        max_bytes=_MAX_MESSAGE_BYTES,
+                        within=self._http_timeout,
+                    )
+                except BadAnswer as exc:
+                    why = str(exc)
                 else:
-                    if response.is_success:
+                    if answer.ok:
                         return
-                    why = f"HTTP {response.status_code}: {response.text[:200]}"
-                    if response.is_client_error:
+                    why = f"HTTP {answer.status}: {answer.head}"
+                    if 400 <= answer.status < 500:
                         break  # not a prefill server on the SimEngine: retrying will not help
                 await trio.sleep_until(started + self._retry_interval)
         logger.warning(
@@ -306,18 +355,23 @@ class HTTPKVRooms:
         """One long poll: those of ``wanted`` the server saw within ``hold`` (maybe none)."""
         try:
             if state.url is None:
-                raise ValueError("the request named no bootstrap_host and bootstrap_port")
-            response = await self._client.get(
+                raise BadAnswer("the request named no bootstrap address that is a host and a port")
+            answer = await read_answer(
+                self._client,
+                "GET",
                 state.url,
                 params={"wait": ",".join(sorted(wanted)), "hold": self._hold},
                 timeout=self._poll_timeout,
+                max_bytes=_MAX_MESSAGE_BYTES,
+                within=self._http_timeout + self._hold,
             )
-            response.raise_for_status()
-            payload = response.json()
+            if not answer.ok:
+                raise BadAnswer(f"HTTP {answer.status}: {answer.head}")
+            payload = answer.payload
             events = payload.get("events") if isinstance(payload, dict) else None
             if not isinstance(events, list):
-                raise ValueError(f"not a rooms answer: {payload!r:.200}")
-        except (httpx.HTTPError, ValueError) as exc:
+                raise BadAnswer(f"not a rooms answer: {answer.head!r}")
+        except BadAnswer as exc:
             if not state.poll_failed:
                 state.poll_failed = True
                 logger.warning(
@@ -335,6 +389,7 @@ class HTTPKVRooms:
 @asynccontextmanager
 async def open_http_kv_rooms(
     *,
+    api_key: str | None = None,
     hold: float = 5.0,
     http_timeout: float = 5.0,
     retry_interval: float = 0.1,
@@ -343,9 +398,11 @@ async def open_http_kv_rooms(
 ) -> AsyncIterator[HTTPKVRooms]:
     """``HTTPKVRooms`` for the life of the block: enter it before the decode engine runs.
 
-    ``hold`` is how long the server holds one long poll; ``http_timeout`` bounds
-    every other step of an HTTP call (connect, send, read); failed calls are
-    tried again ``retry_interval`` seconds after they started. On exit,
+    ``api_key`` is the prefill servers' ``--api-key`` (a pair shares one),
+    sent as a bearer token. ``hold`` is how long the server holds one long
+    poll; ``http_timeout`` bounds every other step of an HTTP call (connect,
+    send, read); failed calls are tried again ``retry_interval`` seconds
+    after they started. On exit,
     messages still going out (the abort notifications of the last requests)
     get ``shutdown_grace`` seconds, then are cancelled.
     """
@@ -354,7 +411,12 @@ async def open_http_kv_rooms(
     # capped (the server's own clients bound how many requests there are).
     limits = httpx.Limits(max_connections=None)
     async with (
-        httpx.AsyncClient(timeout=http_timeout, limits=limits, trust_env=False) as client,
+        httpx.AsyncClient(
+            timeout=http_timeout,
+            limits=limits,
+            trust_env=False,
+            headers={} if api_key is None else {"authorization": f"Bearer {api_key}"},
+        ) as client,
         trio.open_nursery() as nursery,
     ):
         try:

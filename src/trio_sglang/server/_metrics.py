@@ -33,6 +33,7 @@ RefusalReason = Literal[
     "rid_too_long",
     "context_length",
     "bootstrap_not_allowed",
+    "bad_framing",
 ]
 
 

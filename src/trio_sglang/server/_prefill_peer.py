@@ -7,13 +7,15 @@ from types import TracebackType
 from typing import Any
 
 import httpx
-import trio
 
 from .._disagg import PrefillFailed
+from ._peer_answer import Answer, BadAnswer, read_answer
 
 __all__ = ["HTTPPrefill"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+#: The most a prefill server's ``/capabilities`` may answer (ours is about 2 kB).
+MAX_CAPABILITIES_BYTES = 1 << 20
 
 
 class HTTPPrefill:
@@ -34,6 +36,11 @@ class HTTPPrefill:
     queue behind others: SGLang's own bootstrap and KV waits default to
     300 s); ``timeout`` bounds connecting, and the whole of ``capabilities``.
     ``api_key``: the prefill server's ``--api-key``, sent as a bearer token.
+    ``max_answer_bytes`` bounds a leg's answer (a prefill leg decodes one
+    token, but asks for the request's logprobs too, which grow with the
+    prompt: 32 MiB by default); an answer past it, or one not JSON, fails the
+    leg (``PrefillFailed``), as does one that does not arrive in full within
+    ``prefill_timeout``.
     """
 
     def __init__(
@@ -44,6 +51,7 @@ class HTTPPrefill:
         prefill_timeout: float = 300.0,
         timeout: float = 5.0,
         api_key: str | None = None,
+        max_answer_bytes: int = 32 << 20,
     ) -> None:
         base = httpx.URL(url)
         if base.scheme not in _DEFAULT_PORTS or not base.host:
@@ -53,6 +61,7 @@ class HTTPPrefill:
         self.bootstrap_port = bootstrap_port or base.port or _DEFAULT_PORTS[base.scheme]
         self._prefill_timeout = prefill_timeout
         self._timeout = timeout
+        self._max_answer_bytes = max_answer_bytes
         # Internal traffic: no proxy from the environment. A leg holds its
         # connection for as long as it runs, so the pool is not capped (the
         # decode server's own clients bound how many legs there are).
@@ -78,45 +87,51 @@ class HTTPPrefill:
 
     async def capabilities(self) -> Mapping[str, Any]:
         """``GET /capabilities``; ``PrefillFailed`` unless it is a prefill worker's."""
-        with trio.move_on_after(self._timeout):
-            try:
-                response = await self._client.get("/capabilities")
-                response.raise_for_status()
-                capabilities: object = response.json()
-            except (httpx.HTTPError, ValueError) as exc:
-                raise PrefillFailed(f"could not read {self.name}/capabilities: {exc!r}") from exc
-            role = capabilities.get("role") if isinstance(capabilities, dict) else None
-            if not isinstance(capabilities, dict) or role != "prefill":
-                raise PrefillFailed(f"{self.name} is not a prefill worker (role: {role!r})")
-            return capabilities
-        raise PrefillFailed(f"{self.name}/capabilities did not answer in {self._timeout} s")
+        try:
+            answer = await read_answer(
+                self._client,
+                "GET",
+                "/capabilities",
+                max_bytes=MAX_CAPABILITIES_BYTES,
+                within=self._timeout,
+            )
+        except BadAnswer as exc:
+            raise PrefillFailed(f"could not read {exc}") from exc
+        if not answer.ok:
+            raise PrefillFailed(f"{self.name}/capabilities answered {answer.status}: {answer.head}")
+        capabilities = answer.payload
+        role = capabilities.get("role") if isinstance(capabilities, dict) else None
+        if not isinstance(capabilities, dict) or role != "prefill":
+            raise PrefillFailed(f"{self.name} is not a prefill worker (role: {role!r:.100})")
+        return capabilities
 
     async def prefill(self, request: Mapping[str, Any], public_id: str) -> None:
         """Run one leg; ``PrefillFailed`` on an error answer, an abort, or no answer in time."""
         body = {**request, "rid": public_id, "stream": False}
-        with trio.move_on_after(self._prefill_timeout):
-            try:
-                response = await self._client.post("/generate", json=body)
-            except httpx.HTTPError as exc:
-                raise PrefillFailed(f"{self.name}: {exc!r}") from exc
-            reason = _finish_reason(response, self.name)
-            if not isinstance(reason, dict) or reason.get("type") != "length":
-                raise PrefillFailed(f"{self.name} ended the prefill with {reason!r}")
-            return
-        raise PrefillFailed(f"{self.name} did not finish the prefill in {self._prefill_timeout} s")
+        try:
+            answer = await read_answer(
+                self._client,
+                "POST",
+                "/generate",
+                json=body,
+                max_bytes=self._max_answer_bytes,
+                within=self._prefill_timeout,
+            )
+        except BadAnswer as exc:
+            raise PrefillFailed(str(exc)) from exc
+        reason = _finish_reason(answer, self.name)
+        if not isinstance(reason, dict) or reason.get("type") != "length":
+            raise PrefillFailed(f"{self.name} ended the prefill with {reason!r:.200}")
 
 
-def _finish_reason(response: httpx.Response, name: str) -> object:
+def _finish_reason(answer: Answer, name: str) -> object:
     """The ``finish_reason`` of a ``/generate`` answer; ``PrefillFailed`` for an error answer."""
-    try:
-        answer = response.json()
-    except ValueError:
-        answer = None
-    if not response.is_success:
-        error = answer.get("error") if isinstance(answer, dict) else None
-        message = error.get("message") if isinstance(error, dict) else response.text[:200]
-        raise PrefillFailed(f"{name} answered {response.status_code}: {message}")
-    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    payload = answer.payload
+    if not answer.ok:
+        error = payload.get("error") if isinstance(payload, dict) else None
+        message = error.get("message") if isinstance(error, dict) else answer.head
+        raise PrefillFailed(f"{name} answered {answer.status}: {str(message)[:200]}")
+    meta = payload.get("meta_info") if isinstance(payload, dict) else None
     if not isinstance(meta, dict):
-        raise PrefillFailed(f"{name} did not answer as SGLang's /generate: {answer!r:.200}")
+        raise PrefillFailed(f"{name} did not answer as SGLang's /generate: {answer.head!r}")
     return meta.get("finish_reason")

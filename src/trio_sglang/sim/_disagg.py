@@ -118,10 +118,12 @@ class SimKVRooms:
     not matter here.
 
     A room is forgotten when both sides are done with it, or ``forget_after``
-    seconds after one side is done if the other never came (its request was
-    released before dispatch) and nobody waits on it: SGLang's bootstrap
-    server gives up on a room after its bootstrap timeout (300 s) too, and a
-    long-running server must not keep such rooms for ever.
+    seconds after it was made if nobody waits on it then: a side that never
+    came (its request was released before dispatch), or a peer that made a
+    room and went. SGLang's bootstrap server gives up on a room after its
+    bootstrap timeout (300 s) too, and a long-running server must not keep
+    such rooms for ever. A room someone waits on is looked at again
+    ``forget_after`` later; one made again after it was forgotten starts anew.
     """
 
     def __init__(self, *, forget_after: float = 300.0) -> None:
@@ -133,8 +135,8 @@ class SimKVRooms:
             )
         self._forget_after = forget_after
         self._rooms: dict[int, _Room] = {}
-        #: (when to forget it, room) for rooms one side is done with, oldest first.
-        self._half_done: deque[tuple[float, int]] = deque()
+        #: (when to forget it, room, its state then), oldest first: every room made.
+        self._due: deque[tuple[float, int, _Room]] = deque()
 
     def __len__(self) -> int:
         self._forget_abandoned()
@@ -143,8 +145,16 @@ class SimKVRooms:
     def __contains__(self, room: int) -> bool:
         return room in self._rooms
 
+    def _room(self, room: int) -> _Room:
+        state = self._rooms.get(room)
+        if state is None:
+            self._forget_abandoned()
+            state = self._rooms[room] = _Room()
+            self._due.append((trio.current_time() + self._forget_after, room, state))
+        return state
+
     def post(self, room: int, event: RoomEvent, at: BootstrapAddr | None = None) -> None:
-        state = self._rooms.setdefault(room, _Room())
+        state = self._room(room)
         state.events.add(event)
         state.lot.unpark_all()
 
@@ -156,7 +166,7 @@ class SimKVRooms:
         self, room: int, wanted: frozenset[RoomEvent], at: BootstrapAddr | None = None
     ) -> frozenset[RoomEvent]:
         """Those of ``wanted`` that have happened to ``room``, once one has; unbounded."""
-        state = self._rooms.setdefault(room, _Room())
+        state = self._room(room)
         try:
             while not (state.events & wanted):
                 await state.lot.park()
@@ -173,16 +183,17 @@ class SimKVRooms:
         state.done += 1
         if state.done >= 2:
             del self._rooms[room]
-        else:
-            self._half_done.append((trio.current_time() + self._forget_after, room))
         self._forget_abandoned()
 
     def _forget_abandoned(self) -> None:
         now = trio.current_time()
-        while self._half_done and self._half_done[0][0] <= now:
-            _, room = self._half_done.popleft()
-            state = self._rooms.get(room)
-            if state is not None and state.done == 1 and not state.lot:
+        while self._due and self._due[0][0] <= now:
+            _, room, state = self._due.popleft()
+            if self._rooms.get(room) is not state:
+                continue  # forgotten already (and maybe made again: its own entry)
+            if state.lot:
+                self._due.append((now + self._forget_after, room, state))
+            else:
                 del self._rooms[room]
 
 

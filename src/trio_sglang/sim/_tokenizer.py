@@ -18,6 +18,7 @@ What it reproduces, each something a cancellation lifecycle has to get right:
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 import zlib
 from collections.abc import Callable, Hashable, Mapping
@@ -367,6 +368,12 @@ def _per_prompt(value: Any, prompts: int) -> list[Any]:
     return value if isinstance(value, list) else [value] * prompts
 
 
+def _digest(salt: object) -> bytes | None:
+    """What the prefix cache keeps of a ``cache_salt``: 32 bytes, however long the salt
+    (the cache holds 1024 prompts' keys: a megabyte salt each would be a gigabyte)."""
+    return None if salt is None else hashlib.sha256(str(salt).encode()).digest()
+
+
 def _max_new_tokens(sampling: Mapping[str, Any]) -> int:
     value = sampling.get("max_new_tokens")
     return DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
@@ -388,6 +395,6 @@ def _prompts(request: Mapping[str, Any]) -> tuple[list[Prompt], bool]:
         ]
     salts = _per_prompt(request.get("cache_salt"), len(contents))  # as many (the worker checks)
     return [
-        Prompt(seed, n, (crc, n, salt))
+        Prompt(seed, n, (crc, n, _digest(salt)))
         for (seed, n, crc), salt in zip(contents, salts, strict=True)
     ], batch

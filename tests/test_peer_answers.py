@@ -1,0 +1,246 @@
+"""Bad answers from a decode server's peers end one request, never the process (issue 28).
+
+A decode server reads answers from other servers: its KV rooms' long polls
+(at whatever bootstrap address a request names, within
+``--allowed-bootstrap-hosts``) and its ``--prefill-url`` peer's
+``/capabilities`` and ``/generate``. A hostile peer here answers each of
+those with one of ``ANSWERS``: a nesting deep enough to end a recursive
+parser, a body that never ends, one that trickles a byte at a time, a
+compression bomb, bytes that are not HTTP, a wrong shape, or nothing. Before
+issue 28, the first ended the server with a ``RecursionError`` and the
+second with a ``MemoryError`` after 2.7 GB.
+
+``HTTPPrefill`` and ``HTTPKVRooms`` are checked in-process (each bad answer
+is a ``PrefillFailed``, or a poll that saw nothing, within its bound), then a
+decode ``serve`` process is sent requests whose peer answers badly, and must
+still answer ``/health``, hold nothing, and exit 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import gzip
+import signal
+import socket
+import socketserver
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from _processes import Process, start_workers, wait_until
+from trio_sglang import PrefillFailed
+from trio_sglang.server import HTTPPrefill, open_http_kv_rooms
+from trio_sglang.sim import BootstrapAddr
+
+#: A good ``/capabilities`` of a prefill server, for the peers whose ``/generate`` is bad.
+CAPABILITIES = b'{"role": "prefill"}'
+
+
+def _http(body: bytes, *headers: bytes, status: bytes = b"200 OK") -> bytes:
+    head = [b"HTTP/1.1 " + status, b"content-length: %d" % len(body), b"connection: close"]
+    return b"\r\n".join([*head, *headers, b"", body])
+
+
+def _endless(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n[")
+    while True:
+        conn.sendall(b"1," * 32768)
+
+
+def _trickle(conn: socket.socket) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+    while True:
+        conn.sendall(b" ")
+        time.sleep(0.05)
+
+
+def _hang(conn: socket.socket) -> None:
+    time.sleep(60)
+
+
+#: 1 GiB of zeros in about 1 MB: small on the wire, not once decompressed.
+_BOMB = gzip.compress(b"\0" * (1 << 24), compresslevel=9) * 64
+
+
+ANSWERS: dict[str, Callable[[socket.socket], None]] = {
+    "deep": lambda conn: conn.sendall(_http(b"[" * 100_000)),
+    "deep-error": lambda conn: conn.sendall(_http(b"{" * 100_000, status=b"500 Oops")),
+    "endless": _endless,
+    "trickle": _trickle,
+    "bomb": lambda conn: conn.sendall(_http(_BOMB, b"content-encoding: gzip")),
+    "deflate": lambda conn: conn.sendall(_http(zlib.compress(b"{}"), b"content-encoding: deflate")),
+    "not-http": lambda conn: conn.sendall(b"\x00\xff" * 1000),
+    "html": lambda conn: conn.sendall(_http(b"<html>busy</html>")),
+    "wrong-shape": lambda conn: conn.sendall(_http(b'{"events": 7, "meta_info": []}')),
+    "empty": lambda conn: None,
+    "hang": _hang,
+}
+
+
+class _Peer(socketserver.ThreadingTCPServer):
+    """A peer that answers every request with one bad answer (``answer``), or by room.
+
+    A room's number picks its answer, in ``ANSWERS``' order; ``/capabilities``
+    is answered well if ``good_capabilities``.
+    """
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.answer = "deep"
+        self.good_capabilities = False
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Peer
+
+    def handle(self) -> None:
+        conn = self.request
+        conn.settimeout(5)
+        try:
+            head = conn.recv(65536)
+            target = head.split(b" ", 2)[1].decode() if head.count(b" ") >= 2 else "/"
+            path = target.split("?", 1)[0]
+            if path == "/capabilities" and self.server.good_capabilities:
+                conn.sendall(_http(CAPABILITIES))
+                return
+            name = self.server.answer
+            if path.startswith("/bootstrap/rooms/"):
+                name = list(ANSWERS)[int(path.rsplit("/", 1)[1]) % len(ANSWERS)]
+            ANSWERS[name](conn)
+        except OSError:  # the server under test gave up on the answer: as it should
+            pass
+
+
+@pytest.fixture
+def peer() -> Iterator[_Peer]:
+    server = _Peer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("answer", list(ANSWERS))
+async def test_a_prefill_peers_bad_answer_fails_the_leg(peer: _Peer, answer: str) -> None:
+    peer.answer = answer
+    url = f"http://127.0.0.1:{peer.port}"
+    with trio.fail_after(10):
+        async with HTTPPrefill(
+            url, prefill_timeout=1.0, timeout=1.0, max_answer_bytes=1 << 20
+        ) as prefill:
+            with pytest.raises(PrefillFailed) as capabilities:
+                await prefill.capabilities()
+            with pytest.raises(PrefillFailed) as leg:
+                await prefill.prefill({"text": "hi", "sampling_params": {}}, "req-1")
+    for failure in (capabilities.value, leg.value):
+        assert url in str(failure)
+        assert len(str(failure)) < 400  # one readable line, not the answer
+
+
+async def test_bad_room_answers_are_polls_that_saw_nothing(peer: _Peer) -> None:
+    """Each room's poll meets one bad answer; the waits end at their own bound, quietly."""
+    at = BootstrapAddr("127.0.0.1", peer.port)
+    with trio.fail_after(15):
+        async with open_http_kv_rooms(
+            hold=0.2, http_timeout=0.5, retry_interval=0.05, delivery_timeout=1.0
+        ) as rooms:
+            async with trio.open_nursery() as nursery:
+                for room in range(len(ANSWERS)):
+                    nursery.start_soon(_wait_briefly, rooms, room, at)
+                    rooms.post(room, "decode_ready", at)
+            for room in range(len(ANSWERS)):
+                assert not rooms.happened(room, "kv_sent", at)
+                rooms.side_done(room, at)
+
+
+async def _wait_briefly(rooms: object, room: int, at: BootstrapAddr) -> None:
+    with trio.move_on_after(2.0) as bound:
+        await rooms.wait(room, frozenset({"kv_sent"}), at)  # type: ignore[attr-defined]
+    assert bound.cancelled_caught
+
+
+@pytest.fixture
+def decode(tmp_path: Path) -> Iterator[Callable[..., tuple[Process, str]]]:
+    """Starts a decode ``serve`` with the given flags; at the end, checks that it lived."""
+    started: list[tuple[Process, str]] = []
+
+    def start(*args: str) -> tuple[Process, str]:
+        role = ("--disaggregation-mode", "decode")
+        started.extend(start_workers(["decode"], tmp_path, *role, *args))
+        return started[-1]
+
+    yield start
+    for process, url in started:
+        try:
+            _lives(process, url)
+        finally:
+            process.stop()
+
+
+def _lives(process: Process, url: str) -> None:
+    """Answers ``/health`` at once, holds no request, and exits 0 on SIGTERM, untroubled."""
+    with httpx.Client(timeout=5, trust_env=False) as client:
+        assert client.get(f"{url}/health").status_code == 200
+        wait_until(
+            "the decode server to hold no request",
+            lambda: "trio_sglang_engine_live_requests 0.0" in client.get(f"{url}/metrics").text,
+            10,
+            process,
+        )
+    process.signal(signal.SIGTERM)
+    assert process.wait(10) == 0, process.tail()
+    assert "Traceback" not in process.output()
+
+
+@pytest.mark.slow
+def test_a_decode_server_lives_through_bad_room_answers(
+    peer: _Peer, decode: Callable[..., tuple[Process, str]]
+) -> None:
+    _, url = decode("--allowed-bootstrap-hosts", "127.0.0.1")
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": peer.port}
+    with httpx.Client(timeout=5, trust_env=False) as client:
+        for room in range(len(ANSWERS)):
+            request = {**body, **fields, "bootstrap_room": room}
+            # The client leaves while the decode side still waits for its KV cache
+            # (a stream of heartbeats meanwhile): after 1.5 s, or at the stream's end.
+            leave = time.monotonic() + 1.5
+            with client.stream("POST", f"{url}/generate", json=request) as response:
+                assert response.status_code == 200
+                for _ in response.iter_bytes():
+                    if time.monotonic() > leave:
+                        break
+
+
+@pytest.mark.slow
+def test_a_decode_server_lives_through_bad_prefill_answers(
+    peer: _Peer, decode: Callable[..., tuple[Process, str]]
+) -> None:
+    peer.good_capabilities = True
+    process, url = decode("--prefill-url", f"http://127.0.0.1:{peer.port}")
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}
+    with httpx.Client(timeout=30, trust_env=False) as client:
+        for answer in ANSWERS:
+            if answer in ("trickle", "hang"):
+                continue  # bounded by the 300 s prefill timeout: the in-process test above
+            peer.answer = answer
+            response = client.post(f"{url}/generate", json=body)
+            assert response.status_code == 502, (answer, response.text)
+            assert "failed (PrefillFailed)" in response.json()["error"]["message"]
+    # Why, in the server's log (not in the client's answer).
+    assert process.output().count("engine fault prefill_failed") == len(ANSWERS) - 2
