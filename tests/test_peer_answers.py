@@ -22,6 +22,8 @@ import gzip
 import signal
 import socket
 import socketserver
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -63,6 +65,29 @@ def _hang(conn: socket.socket) -> None:
     time.sleep(60)
 
 
+def _sse(*events: bytes) -> Callable[[socket.socket], None]:
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        for event in events:
+            conn.sendall(event)
+
+    return answer
+
+
+def _endless_sse_line(conn: socket.socket) -> None:
+    _sse(b"data: ")(conn)
+    while True:
+        conn.sendall(b"1" * 65536)
+
+
+#: Streams for ``bench-endpoint``'s clients, behind a metrics page it can read.
+STREAMS: dict[str, Callable[[socket.socket], None]] = {
+    "endless-line": _endless_sse_line,
+    "deep-event": _sse(b"data: " + b"[" * 100_000 + b"\n\n"),
+    "not-json": _sse(b"data: {nope\n\n"),
+}
+
+
 #: 1 GiB of zeros in about 1 MB: small on the wire, not once decompressed.
 _BOMB = gzip.compress(b"\0" * (1 << 24), compresslevel=9) * 64
 
@@ -96,6 +121,7 @@ class _Peer(socketserver.ThreadingTCPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.answer = "deep"
         self.good_capabilities = False
+        self.good_metrics = False
 
     @property
     def port(self) -> int:
@@ -115,7 +141,13 @@ class _Handler(socketserver.BaseRequestHandler):
             if path == "/capabilities" and self.server.good_capabilities:
                 conn.sendall(_http(CAPABILITIES))
                 return
+            if path == "/metrics" and self.server.good_metrics:
+                conn.sendall(_http(b"fake_in_flight 0\n"))
+                return
             name = self.server.answer
+            if name in STREAMS:
+                STREAMS[name](conn)
+                return
             if path.startswith("/bootstrap/rooms/"):
                 name = list(ANSWERS)[int(path.rsplit("/", 1)[1]) % len(ANSWERS)]
             ANSWERS[name](conn)
@@ -244,3 +276,48 @@ def test_a_decode_server_lives_through_bad_prefill_answers(
             assert "failed (PrefillFailed)" in response.json()["error"]["message"]
     # Why, in the server's log (not in the client's answer).
     assert process.output().count("engine fault prefill_failed") == len(ANSWERS) - 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer", list(ANSWERS))
+def test_bench_endpoint_against_a_bad_server_refuses_in_one_line(peer: _Peer, answer: str) -> None:
+    """Before issue 28 a trickled metrics page hung it, an endless one or an endless SSE
+    line grew it to 3.8 GB (a raw MemoryError), nested JSON was a RecursionError traceback.
+
+    Here every answer the server gives is bad, its metrics page included: the run
+    stops at the first (the server cannot be measured), in one line that names it,
+    exit status 2, within the scrape's bound (10 s).
+    """
+    peer.answer = answer
+    command = [
+        sys.executable, "-m", "trio_sglang", "bench-endpoint",
+        "--url", f"http://127.0.0.1:{peer.port}", "--request-timeout", "5",
+    ]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"http://127.0.0.1:{peer.port}/metrics" in last, last  # which answer was bad
+    assert "Traceback" not in result.stderr
+    assert len(last) < 500
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", list(STREAMS))
+def test_bench_endpoint_refuses_a_stream_it_cannot_read(peer: _Peer, stream: str) -> None:
+    """A stream whose line never ends, or whose event is nested too deep or is not JSON:
+    the warm-up's requests fail on it, and the run is refused in one line naming why."""
+    peer.answer, peer.good_metrics = stream, True
+    command = [
+        sys.executable, "-m", "trio_sglang", "bench-endpoint",
+        "--url", f"http://127.0.0.1:{peer.port}", "--request-timeout", "10",
+        "--metrics", "in_flight=fake_in_flight", "--model", "m",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "no warm-up request got a token" in last, last
+    why = "a line of more than" if stream == "endless-line" else "not JSON (or nested too deep)"
+    assert why in last, last
+    assert "Traceback" not in result.stderr

@@ -10,7 +10,8 @@ Leaving right after sending uses httpcore's trace hook, which says when the
 request's last byte was written: the client cancels its read there, and
 httpcore closes the connection. Every other leave happens between two events
 (or at ``--leave-delay``), the same way. Every visit is bounded by the
-request timeout.
+request timeout, and every line of its stream by ``MAX_LINE_BYTES``: a
+server's bad answer fails that visit, never the run.
 
 Tokens are counted from the events: exactly on ``/generate`` (its
 ``meta_info.completion_tokens``), one per event with text on the OpenAI
@@ -21,7 +22,6 @@ that is behind, makes this a lower bound).
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import socket
 import ssl
@@ -32,6 +32,7 @@ from typing import Any, Literal
 import httpx
 import trio
 
+from .._bounded_http import BadAnswer, parse_json, read_answer, stream_lines
 from ._apis import API_PATHS, Api
 from ._phases import Phase
 
@@ -43,6 +44,8 @@ _SHARED_SSL = ssl.create_default_context()
 _RESET = [(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))]
 #: httpcore's trace event once the request's last byte is written.
 _SENT = "http11.send_request_body.complete"
+#: The longest SSE line read: an event is a few hundred bytes (its logprobs a few kB).
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +143,8 @@ async def visit(
             try:
                 with leave:
                     await _read(client, target, body, phase, rule, record, trace)
-            except httpx.HTTPError as exc:
-                record.outcome, record.error = "failed", type(exc).__name__
+            except BadAnswer as exc:  # the call failed, or its answer broke a bound
+                record.outcome, record.error = "failed", str(exc)[:300]
             except (ValueError, TypeError, AttributeError) as exc:  # an answer not as its API's
                 record.outcome, record.error = "failed", f"unreadable answer: {exc!r:.200}"
             if leave.cancelled_caught:
@@ -162,18 +165,28 @@ async def _read(
     trace: dict[str, Any],
 ) -> None:
     path = API_PATHS[target.api]
-    async with client.stream("POST", path, json=body, extensions=trace) as response:
+    request = {"json": body, "extensions": trace}
+    async with stream_lines(client, "POST", path, max_line=MAX_LINE_BYTES, **request) as (
+        response,
+        lines,
+    ):
         if response.status_code != 200:
-            await response.aread()
-            record.error = f"HTTP {response.status_code}: {response.text[:200]}"
+            head = ""
+            async for line in lines:  # the start of the error page, not all of it
+                head += line
+                if len(head) >= 200:
+                    break
+            record.error = f"HTTP {response.status_code}: {head[:200]}"
             return
-        async for line in response.aiter_lines():
+        async for line in lines:
             if not line.startswith("data:"):
                 continue  # a comment (SSE heartbeat), a blank line, an event name
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":
                 break
-            event = json.loads(data)
+            event = parse_json(data)
+            if event is None and data != "null":
+                raise ValueError(f"an event that is not JSON (or nested too deep): {data[:100]!r}")
             if isinstance(event, dict) and "error" in event:
                 record.error = f"error event: {str(event['error'])[:200]}"
                 return
@@ -216,9 +229,15 @@ def _new_tokens(api: Api, event: Any, seen: int) -> int:
 async def discover_model(target: Target) -> str:
     """The first model ``/v1/models`` lists, which SGLang, vLLM, Dynamo and serve all answer."""
     async with target.client() as client:
-        response = await client.get("/v1/models")
-        response.raise_for_status()
-        listing = response.json()
+        try:
+            answer = await read_answer(
+                client, "GET", "/v1/models", max_bytes=1 << 20, within=target.timeout
+            )
+        except BadAnswer as exc:
+            raise LookupError(str(exc)) from exc
+    if not answer.ok:
+        raise LookupError(f"{target.url}/v1/models answered HTTP {answer.status}")
+    listing = answer.json()
     models = listing.get("data") if isinstance(listing, dict) else None
     first = models[0] if isinstance(models, list) and models else None
     if not isinstance(first, dict) or "id" not in first:

@@ -128,7 +128,7 @@ async def _identify(plan: Plan) -> tuple[ServerKind, bool, list[str]]:
     ) as client:
         for url in plan.metrics_urls:
             try:
-                pages.append(await scrape(client, url))
+                pages.append(await scrape(client, url, within=10))
             except ScrapeFailed as exc:
                 hint = (
                     " (SGLang serves them only with --enable-metrics)" if exc.status == 404 else ""

@@ -16,10 +16,14 @@ from dataclasses import dataclass
 import httpx
 import trio
 
+from .._bounded_http import BadAnswer, read_answer
 from ._prometheus import parse_series
 from ._servers import ServerKind
 
-__all__ = ["Sample", "Sampler", "ScrapeFailed", "scrape"]
+__all__ = ["MAX_PAGE_BYTES", "Sample", "Sampler", "ScrapeFailed", "scrape"]
+
+#: The largest metrics page read (SGLang's, histograms and all, is a few hundred kB).
+MAX_PAGE_BYTES = 8 << 20
 
 
 class ScrapeFailed(Exception):
@@ -43,15 +47,16 @@ class Sample:
         return (self.sent + self.received) / 2
 
 
-async def scrape(client: httpx.AsyncClient, url: str) -> str:
-    """One metrics page; ``ScrapeFailed`` naming the URL and what went wrong."""
+async def scrape(client: httpx.AsyncClient, url: str, *, within: float) -> str:
+    """One metrics page, whole within ``within`` seconds and ``MAX_PAGE_BYTES``;
+    ``ScrapeFailed`` naming the URL and what went wrong."""
     try:
-        response = await client.get(url)
-    except httpx.HTTPError as exc:
-        raise ScrapeFailed(f"{url}: {type(exc).__name__} {exc}".rstrip()) from exc
-    if response.status_code != 200:
-        raise ScrapeFailed(f"{url}: HTTP {response.status_code}", response.status_code)
-    return response.text
+        answer = await read_answer(client, "GET", url, max_bytes=MAX_PAGE_BYTES, within=within)
+    except BadAnswer as exc:
+        raise ScrapeFailed(str(exc)) from exc
+    if answer.status != 200:
+        raise ScrapeFailed(f"{url}: HTTP {answer.status}", answer.status)
+    return answer.body.decode("utf-8", "replace")
 
 
 class Sampler:
@@ -102,7 +107,7 @@ class Sampler:
 
         async def one(index: int) -> None:
             try:
-                pages[index] = await scrape(clients[index], self._urls[index])
+                pages[index] = await scrape(clients[index], self._urls[index], within=self._timeout)
             except ScrapeFailed as exc:
                 self.failures += 1
                 self.last_failure = str(exc)

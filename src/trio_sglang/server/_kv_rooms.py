@@ -44,10 +44,10 @@ from urllib.parse import parse_qs
 import httpx
 import trio
 
+from .._bounded_http import BadAnswer, read_answer
 from .._kv_rooms import BootstrapAddr, HostedKVRooms, RoomEvent
 from ._asgi import ClientGone, Receive, Scope, Send, read_json_within, send_json
 from ._errors import HTTPError, method_not_allowed
-from ._peer_answer import BadAnswer, read_answer
 
 __all__ = ["ROOMS_PATH", "HTTPKVRooms", "KVRoomsApp", "bootstrap_base_url", "open_http_kv_rooms"]
 
@@ -367,7 +367,7 @@ class HTTPKVRooms:
             )
             if not answer.ok:
                 raise BadAnswer(f"HTTP {answer.status}: {answer.head}")
-            payload = answer.payload
+            payload = answer.json()
             events = payload.get("events") if isinstance(payload, dict) else None
             if not isinstance(events, list):
                 raise BadAnswer(f"not a rooms answer: {answer.head!r}")

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
+from .._bounded_http import Answer, BadAnswer, read_answer
 from .._disagg import PrefillFailed
-from ._peer_answer import Answer, BadAnswer, read_answer
 
 __all__ = ["HTTPPrefill"]
 
@@ -99,7 +99,7 @@ class HTTPPrefill:
             raise PrefillFailed(f"could not read {exc}") from exc
         if not answer.ok:
             raise PrefillFailed(f"{self.name}/capabilities answered {answer.status}: {answer.head}")
-        capabilities = answer.payload
+        capabilities = answer.json()
         role = capabilities.get("role") if isinstance(capabilities, dict) else None
         if not isinstance(capabilities, dict) or role != "prefill":
             raise PrefillFailed(f"{self.name} is not a prefill worker (role: {role!r:.100})")
@@ -126,7 +126,7 @@ class HTTPPrefill:
 
 def _finish_reason(answer: Answer, name: str) -> object:
     """The ``finish_reason`` of a ``/generate`` answer; ``PrefillFailed`` for an error answer."""
-    payload = answer.payload
+    payload = answer.json()
     if not answer.ok:
         error = payload.get("error") if isinstance(payload, dict) else None
         message = error.get("message") if isinstance(error, dict) else answer.head
