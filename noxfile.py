@@ -95,7 +95,7 @@ def sglang(session: nox.Session) -> None:
 #: differs from the ``sglang`` session's packages: 0.5.14 to 0.5.19 fail to import beside
 #: transformers 5.19 (``'qwen3_asr' is already used``), and transformers 5.12.1 wants
 #: tokenizers 0.22. 0.5.23 is the session's own.
-SGLANG_RELEASES: dict[str, tuple[str, ...]] = {
+MATRIX_RELEASES: dict[str, tuple[str, ...]] = {
     "0.5.10": (),
     "0.5.14": ("transformers==5.12.1", "tokenizers==0.22.2"),
     "0.5.17": ("transformers==5.12.1", "tokenizers==0.22.2"),
@@ -105,7 +105,7 @@ SGLANG_RELEASES: dict[str, tuple[str, ...]] = {
 }
 #: Releases older than trio-sglang's minimum (0.5.10), on which ``sglang-matrix`` checks
 #: only that they are refused at start.
-SGLANG_REFUSED: dict[str, tuple[str, ...]] = {"0.5.9": ()}
+MATRIX_REFUSED: dict[str, tuple[str, ...]] = {"0.5.9": ()}
 #: The release before 0.5.20 whose whole engine ``real-engine`` also runs.
 REAL_ENGINE_OLDER = "0.5.19"
 #: Releases whose TokenizerManager imports ``sgl_kernel`` at load (0.5.10's
@@ -115,9 +115,9 @@ SGLANG_KERNEL_STANDIN = frozenset({"0.5.9", "0.5.10"})
 
 @nox.session(name="sglang-matrix")
 def sglang_matrix(session: nox.Session) -> None:
-    """The ``sglang`` session's tests on each release of ``SGLANG_RELEASES``, one after another.
+    """The ``sglang`` session's tests on each release of ``MATRIX_RELEASES``, one after another.
 
-    Then, on each of ``SGLANG_REFUSED`` (0.5.9), only that it is refused at start.
+    Then, on each of ``MATRIX_REFUSED`` (0.5.9), only that it is refused at start.
     ``-- 0.5.19 0.5.23`` runs those releases only; ``-- --servers`` also runs
     ``benchmarks/release_servers.py`` on each (SGLang's own server beside
     ``serve``, clients leaving; about 2 min a release), into
@@ -129,11 +129,11 @@ def sglang_matrix(session: nox.Session) -> None:
     """
     servers = "--servers" in session.posargs
     named = [arg for arg in session.posargs if re.fullmatch(r"\d+\.\d+\.\d+\S*", arg)]
-    known = {**SGLANG_RELEASES, **SGLANG_REFUSED}
+    known = {**MATRIX_RELEASES, **MATRIX_REFUSED}
     unknown = [arg for arg in named if arg not in known]
     if unknown:
         session.error(
-            f"not in SGLANG_RELEASES: {', '.join(unknown)} (known: {', '.join(SGLANG_RELEASES)})"
+            f"not in MATRIX_RELEASES: {', '.join(unknown)} (known: {', '.join(MATRIX_RELEASES)})"
         )
     pytest_args = [arg for arg in session.posargs if arg not in (*named, "--servers")]
     install_sglang_cpu(session)
@@ -146,7 +146,7 @@ def sglang_matrix(session: nox.Session) -> None:
             paths.append(str(Path("src/trio_sglang/_sgl_kernel_standin").resolve()))
         session.log(f"SGLang {release}")
         env = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
-        if release in SGLANG_REFUSED:
+        if release in MATRIX_REFUSED:
             session.run(
                 "pytest",
                 "-m",
@@ -165,7 +165,7 @@ def sglang_matrix(session: nox.Session) -> None:
 
 def _install_release(session: nox.Session, target: Path, release: str) -> None:
     """SGLang ``release`` and its packages into ``target``, unless the same recipe is there."""
-    recipe = " ".join((f"sglang=={release}", *{**SGLANG_RELEASES, **SGLANG_REFUSED}[release]))
+    recipe = " ".join((f"sglang=={release}", *{**MATRIX_RELEASES, **MATRIX_REFUSED}[release]))
     mark = target / ".trio-sglang-recipe"
     if mark.exists() and mark.read_text() == recipe:
         return

@@ -36,7 +36,7 @@ import trio
 
 from _processes import Process, start_workers, wait_until
 from trio_sglang import PrefillFailed
-from trio_sglang.server import HTTPPrefill, open_http_kv_rooms
+from trio_sglang.server import HTTPKVRooms, HTTPPrefill, open_http_kv_rooms
 from trio_sglang.sim import BootstrapAddr
 
 #: A good ``/capabilities`` of a prefill server, for the peers whose ``/generate`` is bad.
@@ -200,9 +200,9 @@ async def test_bad_room_answers_are_polls_that_saw_nothing(peer: _Peer) -> None:
                 rooms.side_done(room, at)
 
 
-async def _wait_briefly(rooms: object, room: int, at: BootstrapAddr) -> None:
+async def _wait_briefly(rooms: HTTPKVRooms, room: int, at: BootstrapAddr) -> None:
     with trio.move_on_after(2.0) as bound:
-        await rooms.wait(room, frozenset({"kv_sent"}), at)  # type: ignore[attr-defined]
+        await rooms.wait(room, frozenset({"kv_sent"}), at)
     assert bound.cancelled_caught
 
 
