@@ -23,7 +23,7 @@ from conftest import slow_sim
 from trio_sglang._increments import IncrementQueue
 from trio_sglang.server import ServerApp, ServerLimits, ServerMetrics
 from trio_sglang.server._asgi import SSE_HEARTBEAT
-from trio_sglang.server._outbox import Outbox
+from trio_sglang.server._outbox import ROUND, Heartbeats, Outbox
 
 
 def output(text: str, ids: list[int], *, index: int = 0, **meta: Any) -> dict[str, Any]:
@@ -177,7 +177,8 @@ async def test_a_silent_stream_sends_a_heartbeat_in_every_gap_longer_than_the_in
     autojump_clock: trio.testing.MockClock, worker: ts.Worker
 ) -> None:
     """Before the first token (2.5 s in), and between tokens a second apart: the stream is
-    never silent longer than 0.1 s, and an idle one beats once per 0.1 s, not more."""
+    never silent longer than 0.1 s (and the heartbeat's round), and an idle one beats once
+    per 0.1 s, not more."""
     app = ServerApp(worker, ServerMetrics(), model="m", limits=ServerLimits(sse_heartbeat=0.1))
     sent: list[tuple[float, bytes]] = []
 
@@ -194,11 +195,68 @@ async def test_a_silent_stream_sends_a_heartbeat_in_every_gap_longer_than_the_in
     beats = [time for time, body in sent if body == SSE_HEARTBEAT]
     assert len([time for time in beats if time < first_token]) == pytest.approx(25, abs=1)
     for (before, _), (time, _) in itertools.pairwise(sent):
-        assert time - before <= 0.1 + 1e-9
+        assert time - before <= 0.1 + ROUND + 1e-9
     for earlier, later in itertools.pairwise(beats):
         assert later - earlier >= 0.1 - 1e-9
     messages = [{"type": "http.response.body", "body": body} for _, body in sent]
     assert sum(len(event["output_ids"]) for event in sse_events(messages)) == 50
+
+
+async def beats_of_silent_streams(
+    streams: int, *, interval: float, max_per_second: int, duration: float
+) -> list[list[float]]:
+    """When each of ``streams`` silent responses beat, over ``duration`` s of the heartbeat."""
+    heartbeats = Heartbeats(interval, max_per_second)
+    beats: list[list[float]] = [[] for _ in range(streams)]
+
+    async def silent(times: list[float]) -> None:
+        outbox = Outbox(max_tokens=100)
+        with heartbeats.watching(outbox):
+            while (held := await outbox.take()) != []:
+                assert held is None  # nothing is ever put: every take is a beat
+                times.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(heartbeats.run)
+        for times in beats:
+            nursery.start_soon(silent, times)
+        await trio.sleep(duration)
+        nursery.cancel_scope.cancel()
+    return beats
+
+
+async def test_silent_streams_beat_every_interval_within_the_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Below ``max_per_second`` beats a second in all, each silent stream beats every interval."""
+    beats = await beats_of_silent_streams(5, interval=0.1, max_per_second=1000, duration=10)
+    for times in beats:
+        assert len(times) == pytest.approx(100, abs=2)
+        assert all(0.1 - 1e-9 <= b - a <= 0.1 + ROUND + 1e-9 for a, b in itertools.pairwise(times))
+
+
+async def test_thousands_of_silent_streams_beat_no_faster_than_the_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """3,000 silent streams at 0.1 s would be 30,000 beats a second (issue 28, finding 9:
+    85% of a core); with a budget of 1,000 each beats every 3 s. Opened together, their
+    first beats come due together, and go out spread over one spacing, not as a herd."""
+    streams, rate, duration = 3000, 1000, 30.0
+    beats = await beats_of_silent_streams(
+        streams, interval=0.1, max_per_second=rate, duration=duration
+    )
+    spacing, burst = streams / rate, rate * ROUND + 1
+    every = sorted(time for times in beats for time in times)
+    assert len(every) <= rate * duration + burst
+    assert len(every) >= 0.95 * rate * (duration - spacing)  # the budget is spent, not wasted
+    per_second = [0] * int(duration + 1)
+    for time in every:
+        per_second[int(time)] += 1
+    assert max(per_second) <= rate + burst
+    for times in beats:  # each one still beats: the first within two spacings, then every one
+        assert times
+        assert times[0] <= 2 * spacing + ROUND
+        assert all(spacing - 1e-9 <= b - a <= spacing + 0.2 for a, b in itertools.pairwise(times))
 
 
 async def test_no_heartbeats_when_turned_off(
@@ -217,12 +275,12 @@ async def test_no_heartbeats_when_turned_off(
     assert len(sse_events([{"type": "http.response.body", "body": b} for b in sent])) == 50
 
 
-async def test_outputs_sent_count_as_the_beat_a_look_asked_for(
+async def test_outputs_sent_count_as_the_beat_the_heartbeat_asked_for(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A look that finds the sender idle asks for a beat; outputs going out instead answer it."""
+    """A beat asked of a silent sender is answered by outputs going out instead."""
     outbox = Outbox(max_tokens=100)
-    outbox.look()  # idle since the last look: a beat is due
+    outbox.beat()  # the heartbeat found it silent
     outbox.put(output("a", [1]))
     assert [out["text"] for out in await outbox.take() or []] == ["a"]
     with trio.move_on_after(1.0) as waited:

@@ -186,6 +186,31 @@ def refuse_logprobs(url: str, worker: Worker) -> None:
     assert worker.events("registered") == registered  # nothing reached the engine
 
 
+def test_each_refusal_is_one_line_in_the_workers_log(deployment: Any, worker: Worker) -> None:
+    """Dynamo's runtime prints what the handler raises; a refusal goes without a traceback.
+
+    Under a stream of bad requests the worker's log grows by one line each.
+    """
+    start = len(worker.process.output())
+
+    def refusal_lines() -> list[str]:
+        log = worker.process.output()[start:]
+        return [line for line in log.splitlines() if "'logprobs' is not supported" in line]
+
+    refuse_logprobs(deployment.url, worker)
+    body = {"model": worker.model, "prompt": "the a", "max_tokens": 3, "logprobs": 2}
+    url = f"{deployment.url}/v1/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as response:
+        assert response.status_code == 200
+        [error] = [json.loads(line[6:]) for line in response.iter_lines() if "error" in line]
+    assert error["error"]["code"] == 400
+    assert "'logprobs' is not supported" in error["error"]["message"]
+    wait_for("both refusals in the worker's log", lambda: len(refusal_lines()) >= 2)
+    log = worker.process.output()[start:]
+    assert "Traceback" not in log, log
+    assert len(refusal_lines()) == 2, log
+
+
 def test_capabilities_are_published_with_the_registration(deployment: Any, worker: Worker) -> None:
     cards = [
         json.loads(path.read_text())

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import traceback
 import types
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
@@ -456,6 +457,42 @@ def test_a_request_after_close_ends_with_engine_shutdown_and_reaches_nothing() -
         assert type(ended.value).__name__ == "EngineShutdown"
 
     run_bridge(scenario, engine)
+    assert engine.event_counts()["registered"] == 0
+
+
+@pytest.mark.parametrize("refusal", ["InvalidArgument", "EngineShutdown"])
+@pytest.mark.usefixtures("dynamo_errors")
+def test_a_refusal_reaches_the_runtime_as_one_line_without_traceback_or_chain(
+    refusal: str,
+) -> None:
+    """The runtime prints each exception a handler raises, traceback and chain included.
+
+    It takes each item as here: ``__anext__()`` awaited in a task of its own,
+    the exception read off the task. A refused request, routine under attack,
+    must print as one line.
+    """
+    seen: list[BaseException] = []
+
+    async def scenario(bridge: RequestBridge, loop: asyncio.AbstractEventLoop) -> None:
+        if refusal == "EngineShutdown":
+            bridge._token.run_sync_soon(bridge.close)  # before the request's start: FIFO
+        invalid = refusal == "InvalidArgument"
+        body = with_fields("output_options", logprobs=2) if invalid else request(5)
+        chunks = bridge.generate(body, StandInContext(loop))
+        taken = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.wait([taken])
+        error = taken.exception()
+        assert error is not None
+        seen.append(error)
+
+    engine = sim()
+    run_bridge(scenario, engine)
+    [error] = seen
+    assert type(error).__name__ == refusal
+    assert error.__traceback__ is None
+    assert error.__cause__ is None
+    assert error.__context__ is None
+    assert len("".join(traceback.format_exception(error)).splitlines()) == 1
     assert engine.event_counts()["registered"] == 0
 
 

@@ -291,8 +291,9 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
     edge.add_argument(
         "--http2",
         action="store_true",
-        help="also speak cleartext HTTP/2 (prior knowledge, h2c); off by default: a client "
-        "that grants no flow-control window there holds its streams past every bound",
+        help="also speak cleartext HTTP/2 (prior knowledge, h2c), with the stall timeout per "
+        "stream: one whose client grants it no window is reset; off by default, as in "
+        "SGLang's own server",
     )
     edge.add_argument(
         "--sse-heartbeat",
@@ -300,6 +301,13 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         default=limits.sse_heartbeat,
         help="a streaming response with nothing to send for this long sends an SSE comment "
         "(about 15 bytes), so that a proxy notices a gone client within it; 0: never",
+    )
+    edge.add_argument(
+        "--max-sse-heartbeats-per-second",
+        type=_positive_int,
+        default=limits.max_sse_heartbeats_per_second,
+        help="SSE heartbeats a second, all streams together: past this many silent streams "
+        "per --sse-heartbeat, each beats every streams / this seconds instead",
     )
     admission = serve.add_argument_group("requests (refused before they reach the engine)")
     admission.add_argument(
@@ -437,6 +445,7 @@ def _server_limits(args: argparse.Namespace) -> ServerLimits:
         http2=args.http2,
         max_unsent_tokens=args.max_unsent_tokens,
         sse_heartbeat=args.sse_heartbeat,
+        max_sse_heartbeats_per_second=args.max_sse_heartbeats_per_second,
         max_body_bytes=args.max_body_bytes,
         max_running_requests=args.max_running_requests,
         max_children_per_request=args.max_children_per_request,

@@ -47,12 +47,18 @@ class ServerLimits:
     #: comment, which clients ignore: a proxy that notices a gone client only
     #: when it writes (sglang-router) then notices within this. 0: never.
     sse_heartbeat: float = 0.1
+    #: Heartbeats a second, all streams together. Past this many silent streams
+    #: per ``sse_heartbeat`` each beats less often (every streams / this
+    #: seconds), so that thousands of them cost a bounded share of a core; a
+    #: proxy then notices a gone client within that longer spacing.
+    max_sse_heartbeats_per_second: int = 1000
     #: Whether a client may speak HTTP/2 (cleartext: prior knowledge, or an h2c
-    #: upgrade). Off by default: in hypercorn's HTTP/2 layer a client that
-    #: grants no flow-control window holds its streams, and their connection,
-    #: past every bound here (no write ever waits, so none can time out).
-    #: SGLang's own server speaks HTTP/1.1 only. Off, an h2c upgrade is
-    #: answered in HTTP/1.1, and the HTTP/2 preface gets an HTTP/1.1 error.
+    #: upgrade). There the stall bound holds per stream: a stream whose client
+    #: grants it no flow-control window for ``client_stall_timeout`` (32 KiB
+    #: waiting, or its end) is reset and its request stopped, and a connection
+    #: left with no stream is dropped. Off by default, as SGLang's own server
+    #: speaks HTTP/1.1 only: an h2c upgrade is then answered in HTTP/1.1, and
+    #: the HTTP/2 preface gets an HTTP/1.1 error.
     http2: bool = False
 
     # -- admission ----------------------------------------------------------

@@ -98,11 +98,12 @@ class RequestBridge:
         self._token.run_sync_soon(self._start, request, ctx, exchange)
         signal = context.async_killed_or_stopped()
         signal.add_done_callback(lambda done: self._on_signal(done, ctx, context))
+        refusal: Exception | None = None
         try:
             while (chunk := await exchange.get()) is not None:
                 yield chunk
         except (InvalidRequest, EngineShutdown, EngineError) as exc:
-            raise _as_dynamo(exc) from exc
+            refusal = _as_dynamo(exc)
         finally:
             # The runtime may drop this generator unfinished, from one of its
             # own threads: its finalization then runs this block there, out of
@@ -112,6 +113,18 @@ class RequestBridge:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to stop
                 # The request is over: stop watching (a no-op once fired).
                 self._loop.call_soon_threadsafe(signal.cancel)
+        if refusal is not None:
+            # The runtime prints every exception a handler raises, with its
+            # traceback and its chain (``PyErr::display``). A refusal is
+            # routine, and an engine fault is already logged, with its
+            # traceback, by the worker: so the error goes out with neither,
+            # and the runtime prints it as one line. Raised here, past the
+            # ``except``, it has no context; a bare re-raise adds no frame.
+            try:
+                raise refusal
+            except Exception:
+                refusal.__traceback__ = None
+                raise
 
     def _on_signal(
         self, done: asyncio.Future[bool], ctx: RequestContext, context: DynamoContext

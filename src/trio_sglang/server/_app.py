@@ -95,7 +95,9 @@ class ServerApp:
         #: What renders chat messages: the engine, if it knows its model's chat template.
         self._chat_template = worker.engine if isinstance(worker.engine, ChatTemplating) else None
         #: Run by the server for as long as it takes requests (``HTTPServer.run``).
-        self.heartbeats = Heartbeats(self.limits.sse_heartbeat)
+        self.heartbeats = Heartbeats(
+            self.limits.sse_heartbeat, self.limits.max_sse_heartbeats_per_second
+        )
         self._closing = False
         self._inflight = InFlight()
         # A prefill server's bootstrap routes; served while it shuts down too,
@@ -387,16 +389,16 @@ class ServerApp:
         wait in the outbox, coalesced, within its bound. A client that takes no
         bytes within the stall timeout, or falls behind past the bound, is gone.
         While there is nothing to send (before the first token, in a long gap),
-        a heartbeat goes out every ``sse_heartbeat`` (``Heartbeats``): a proxy
-        that only notices a gone client when it writes to it (sglang-router)
-        notices within that.
+        a heartbeat goes out every ``sse_heartbeat`` (``Heartbeats``; less often
+        past ``max_sse_heartbeats_per_second`` in all): a proxy that only
+        notices a gone client when it writes to it (sglang-router) notices
+        within that.
         """
         outbox = Outbox(self.limits.max_unsent_tokens)
-        # Over HTTP/1.1 the connection bounds every write at the socket; over
-        # HTTP/2 a send first waits for the stream's flow-control window,
-        # which only a bound here ends.
-        connection = current_connection()
-        bound_here = connection is None or not connection.http1
+        # Under ``serve`` the connection bounds every write: at the socket, and
+        # over HTTP/2 at the stream's flow-control window too (``BoundedH2``).
+        # Any other ASGI server gets the bound here.
+        bound_here = current_connection() is None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_engine, chunks, outbox, ctx)
             with self.heartbeats.watching(outbox):

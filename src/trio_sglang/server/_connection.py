@@ -18,13 +18,20 @@ benchmark (``benchmarks/serve_throughput.py``):
 * **HTTP/2 only if asked for** (``http2``): otherwise the connection stays
   HTTP/1.1 (``_HTTP11Only``): an h2c upgrade is answered in HTTP/1.1, and
   the HTTP/2 preface is taken as the HTTP/1.1 request it reads as (and gets
-  a 404, then a 400 for what follows it). In hypercorn's HTTP/2 layer, a
-  client that grants no flow-control window would hold its streams past
-  the write deadline above: no write ever waits there.
+  a 404, then a 400 for what follows it). Asked for, it is hypercorn's
+  HTTP/2 with the same deadline on each wait for a client's flow-control
+  window (``BoundedH2``): a stream its client takes nothing of is reset,
+  and a connection left with none is dropped.
 * **A write the socket can take goes out at once** (``_write_now``), without
   the lock wait, the shield and the deadline a write that has to wait needs.
   A streamed response is a write per event, and those cost more than the
   write itself.
+* **Nothing of HTTP before the first byte** (``_first_byte``): until the
+  client sends something, its connection is a socket and one parked task.
+  hypercorn's protocol, task group and keep-alive timer (about 13 KiB a
+  connection) come with the first byte, so thousands of clients that connect
+  and send nothing hold a quarter of the memory, and cost a quarter of the
+  time to shed when the server needs their slots.
 
 The app finds the connection it is serving with ``current_connection()``.
 """
@@ -50,6 +57,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
 
+from ._h2 import Protocols
 from ._metrics import ServerMetrics
 
 __all__ = ["ClientConnection", "DropLog", "DropReason", "current_connection"]
@@ -102,11 +110,52 @@ class ClientConnection(TCPServer):
         self.dropped: DropReason | None = None
         #: No request in flight: before the first one's headers, or between two.
         self.idle = True
+        #: The wait for the first byte, while it lasts (``stop_waiting`` ends it).
+        self._waiting: trio.CancelScope | None = None
+        #: When the first request's headers are due: a keep-alive timeout after the connect.
+        self._first_deadline: float | None = None
 
     async def serve(self) -> None:
         """Run the connection; the app's tasks for it see it as ``current_connection()``."""
         _current.set(self)  # this task's context: the app's tasks start from a copy of it
-        await self.run()
+        if await self._first_byte():
+            await self.run()
+
+    def stop_waiting(self) -> None:
+        """End the wait for a first byte (at shutdown: a client that sent nothing is let go)."""
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def _first_byte(self) -> bool:
+        """Whether the client sent a byte within the keep-alive timeout: then HTTP starts.
+
+        A client that sent nothing in time, closed, reset, or was dropped, is
+        let go here without hypercorn ever being set up for it (the caller
+        closes the socket). The byte is only peeked at: hypercorn reads it.
+        """
+        self._first_deadline = trio.current_time() + self.config.keep_alive_timeout
+        with trio.CancelScope(deadline=self._first_deadline) as self._waiting:
+            try:
+                await trio.lowlevel.wait_readable(self._socket)
+                return await self._socket.recv(1, socket.MSG_PEEK) != b""
+            except (OSError, trio.ClosedResourceError):  # reset, or dropped while waiting
+                return False
+            finally:
+                self._waiting = None
+        return False
+
+    async def _idle_timeout(self) -> None:
+        # hypercorn's, but the first request's headers are due a keep-alive
+        # timeout after the connect, not after its first byte: the wait in
+        # ``_first_byte`` gives a slow client no second timeout.
+        deadline, self._first_deadline = self._first_deadline, None
+        if deadline is None:
+            await super()._idle_timeout()
+            return
+        with trio.move_on_at(deadline):
+            await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
 
     @property
     def http1(self) -> bool:
@@ -122,6 +171,12 @@ class ClientConnection(TCPServer):
         if self.dropped is not None:
             return
         self.dropped = reason
+        self._count(reason)
+        with contextlib.suppress(OSError):  # already closed, or the peer's reset came first
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        self._socket.close()
+
+    def _count(self, reason: DropReason) -> None:
         self._metrics.clients_dropped.labels(reason).inc()
         # Each at DEBUG; those that were gone (stalled, behind) also at INFO, but
         # in one line per interval with a count: a thousand slow readers at once
@@ -130,9 +185,17 @@ class ClientConnection(TCPServer):
         logger.debug("dropped client %s: %s", _peer(self._socket), _WHY[reason])
         if reason in ("stalled", "behind"):
             self._drops.note(reason)
-        with contextlib.suppress(OSError):  # already closed, or the peer's reset came first
-            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-        self._socket.close()
+
+    def _stream_stalled(self, last: bool) -> None:
+        """An HTTP/2 stream was reset, its client having taken none of it in time.
+
+        Counted as a stalled client; ``last``: the connection has no other
+        stream open, and is dropped.
+        """
+        if last:
+            self.drop("stalled")
+        else:
+            self._count("stalled")
 
     async def protocol_send(self, event: Event) -> None:
         if not isinstance(event, RawData):
@@ -199,8 +262,14 @@ class ClientConnection(TCPServer):
 
     async def _read_data(self) -> None:
         # Called once, after hypercorn made the protocol and before any byte is read.
-        if not self._http2 and isinstance(self.protocol.protocol, H11Protocol):
-            self.protocol.protocol = _HTTP11Only.instead_of(self.protocol.protocol)
+        http11 = self.protocol.protocol
+        if isinstance(http11, H11Protocol):
+            if self._http2:
+                self.protocol = Protocols.instead_of(
+                    self.protocol, stall_timeout=self._stall_timeout, stalled=self._stream_stalled
+                )
+            else:
+                self.protocol.protocol = _HTTP11Only.instead_of(http11)
         await super()._read_data()
         # The client is gone (EOF, reset, or dropped): end its keep-alive wait
         # too, which hypercorn would otherwise sit out before closing.

@@ -98,6 +98,8 @@ class HTTPServer:
                 self._app.close()  # end the responses; their cleanup is the worker's
                 accepting.cancel_scope.cancel()
             await self._context.terminated.set()  # idle keep-alive connections close
+            for connection in self._open:  # and those that never sent a byte
+                connection.stop_waiting()
             self._grace.deadline = trio.current_time() + self._config.graceful_timeout
             with self._grace:
                 await self._wait_all_closed()

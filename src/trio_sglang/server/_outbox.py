@@ -11,6 +11,9 @@ the response's bound: the client is then treated as gone.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +22,12 @@ import trio
 
 from .._increments import IncrementQueue
 
-__all__ = ["Heartbeats", "Outbox"]
+__all__ = ["ROUND", "Heartbeats", "Outbox"]
+
+#: The heartbeat task's rounds are at least this far apart, so that beats due
+#: within one share its wake-up (which costs about what a beat does): a beat may
+#: go out up to this late. Also the most of the budget spent back to back.
+ROUND = 0.01
 
 
 class Outbox:
@@ -33,9 +41,8 @@ class Outbox:
         self.error: Exception | None = None
         #: Where the sender waits for something to take (one lot for the response's life).
         self._wakeup = trio.lowlevel.ParkingLot()
-        #: Takes so far, and at the heartbeat's last look: equal means the sender was idle.
-        self._takes = 0
-        self._takes_seen = 0
+        #: When the sender last took something to send: the response is silent since.
+        self.last_active = trio.current_time()
         self._beat_due = False
 
     @property
@@ -56,56 +63,110 @@ class Outbox:
     async def take(self) -> list[dict[str, Any]] | None:
         """Everything held, in order, once there is something; ``[]`` once closed and taken.
 
-        ``None`` when the heartbeat found the response idle: time for a sign of life.
+        ``None`` when the heartbeat found the response silent: time for a sign of life.
         """
         while not self._held and not self._closed and not self._beat_due:
             await self._wakeup.park()
-        self._takes += 1
+        self.last_active = trio.current_time()
         self._beat_due = False  # whatever goes out now is the sign of life
         if not self._held and not self._closed:
             return None
         return self._held.take_all()
 
-    def look(self) -> None:
-        """The heartbeat's look: idle since the last one, the sender is woken for a beat."""
-        if self._takes == self._takes_seen:
-            self._beat_due = True
-            self._wake()
-        self._takes_seen = self._takes
+    def beat(self) -> None:
+        """Wake the sender for a sign of life: the heartbeat found the response silent."""
+        self._beat_due = True
+        self._wake()
 
     def _wake(self) -> None:
         self._wakeup.unpark_all()
 
 
 class Heartbeats:
-    """One task that keeps every idle streaming response audible; nothing per token.
+    """One task that keeps every silent streaming response audible, within a budget of beats.
 
-    It looks at every open outbox twice per ``interval``, and wakes the
-    sender of one that sent nothing since its previous look: so a response
-    is never silent for longer than ``interval``, and an idle one beats once
-    per ``interval``. A response that is sending pays one counter per send.
+    Each watched outbox has one entry in a heap of deadlines: the moment it
+    will have been silent for the spacing. The task sleeps until the earliest
+    one (in rounds at least ``ROUND`` apart), and there an outbox that sent
+    since is due again a spacing after its last send, and a silent one is
+    woken for a beat. Nothing is done per token but one clock read, and
+    nothing per stream that is not due.
+
+    The spacing is ``interval`` until the open streams, all silent, would beat
+    more than ``max_per_second`` times a second; past that it grows with them
+    (``streams / max_per_second``), and the task never beats faster than that
+    however the deadlines bunch. A beat costs a wake-up and a write through
+    the HTTP stack (tens of microseconds), so thousands of silent streams cost
+    a bounded share of a core instead of all of it. The price: behind a proxy
+    that notices a gone client only when it writes, a silent stream's client
+    is noticed within the spacing, which past that many streams is longer
+    than ``interval``.
     """
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, max_per_second: int) -> None:
         self._interval = interval
-        self._outboxes: set[Outbox] = set()
+        self._max_per_second = max_per_second
+        self._watched: set[Outbox] = set()
+        #: ``(due, order, outbox)``: order breaks ties, first watched first.
+        self._due: list[tuple[float, int, Outbox]] = []
+        self._order = itertools.count()
+        #: Where the task waits for the next deadline; woken for an earlier one.
+        self._changed = trio.lowlevel.ParkingLot()
+        self._waking_at = math.inf
+
+    @property
+    def spacing(self) -> float:
+        """How long a response may be silent before it beats, with this many streams open."""
+        return max(self._interval, len(self._watched) / self._max_per_second)
 
     @contextmanager
     def watching(self, outbox: Outbox) -> Iterator[None]:
         if not self._interval:
             yield
             return
-        self._outboxes.add(outbox)
+        self._watched.add(outbox)
+        due = outbox.last_active + self.spacing
+        heapq.heappush(self._due, (due, next(self._order), outbox))
+        if due < self._waking_at:
+            self._changed.unpark_all()
         try:
             yield
         finally:
-            self._outboxes.discard(outbox)
+            self._watched.discard(outbox)  # its entry is dropped when it comes due
 
     async def run(self) -> None:
-        """Look until cancelled (for as long as the server takes requests)."""
+        """Beat until cancelled (for as long as the server takes requests)."""
         if not self._interval:
             return
+        rate = self._max_per_second
+        allowance, last = 1.0, trio.current_time()
+        burst = rate * ROUND + 1  # what a round spends, and the fraction carried over
         while True:
-            await trio.sleep(self._interval / 2)
-            for outbox in self._outboxes:
-                outbox.look()
+            self._waking_at = max(self._due[0][0], last + ROUND) if self._due else math.inf
+            if allowance < 1:  # out of beats: none before the budget has one again
+                self._waking_at = max(self._waking_at, last + (1 - allowance) / rate)
+            with trio.move_on_at(self._waking_at):
+                await self._changed.park()
+            now = trio.current_time()
+            allowance = min(allowance + (now - last) * rate, burst)
+            last = now
+            allowance = self._beat_the_silent(now, allowance)
+
+    def _beat_the_silent(self, now: float, allowance: float) -> float:
+        """Go through the entries due by ``now``; what is left of ``allowance`` after the beats."""
+        spacing = self.spacing
+        while self._due and self._due[0][0] <= now:
+            outbox = self._due[0][2]
+            if outbox not in self._watched:
+                heapq.heappop(self._due)
+            elif outbox.last_active + spacing > now:  # it sent since: due again from then
+                heapq.heapreplace(
+                    self._due, (outbox.last_active + spacing, next(self._order), outbox)
+                )
+            elif allowance < 1:  # the rest wait for the budget
+                break
+            else:
+                allowance -= 1
+                outbox.beat()
+                heapq.heapreplace(self._due, (now + spacing, next(self._order), outbox))
+        return allowance

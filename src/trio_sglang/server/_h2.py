@@ -1,0 +1,143 @@
+"""HTTP/2 whose every write of a response has a deadline: a client that grants no window is gone.
+
+hypercorn's HTTP/2 queues a stream's body in a buffer that its send task
+empties as fast as the client's flow-control window allows. If the client
+keeps the window at zero (``SETTINGS_INITIAL_WINDOW_SIZE=0`` and no
+``WINDOW_UPDATE``), two things go wrong there. The app's send waits at the
+end of a body for the buffer to drain, for good: the handler never ends,
+and holds its request, its connection and its slot (nor does closing the
+connection end it: hypercorn closes the streams then, not their buffers).
+And until then the buffer never pushes back: the send task's empty reads
+of a closed window count as progress, so a streamed response queues every
+token for a client that takes none.
+
+``BoundedH2`` is hypercorn's protocol with a send that waits, bounded: past
+32 KiB queued, a send waits for the client to take it all, and that wait,
+like the one at the end, has the stall timeout, as every socket write of
+``ClientConnection`` does. Past it the stream is reset (``RST_STREAM``,
+``CANCEL``), its app sees the client disconnect, which stops its request at
+the engine, and a connection left with no open stream is dropped as
+stalled. At the connection's close every buffer is closed, so no handler
+waits on one. ``Protocols`` is hypercorn's switch from HTTP/1.1 to HTTP/2
+(an h2c upgrade, or the preface), to this protocol instead of hypercorn's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import h2.errors
+import h2.exceptions
+import trio
+from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Body, Data, EndBody, EndData, Trailers
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
+from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError
+
+__all__ = ["BoundedH2", "Protocols"]
+
+#: The stream events whose send waits for the client's window.
+_WINDOWED = (Body, Data, EndBody, EndData, Trailers)
+
+
+class BoundedH2(H2Protocol):
+    """hypercorn's HTTP/2, with a deadline on each wait for the client's window."""
+
+    def __init__(
+        self, *args: Any, stall_timeout: float, stalled: Callable[[bool], None], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._stall_timeout = stall_timeout
+        #: Told of each stalled stream: ``True`` when it left the connection no other.
+        self._stalled = stalled
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        if not isinstance(event, _WINDOWED):
+            await super().stream_send(event)
+            return
+        with trio.move_on_after(self._stall_timeout) as bound:
+            await super().stream_send(event)
+            buffer = self.stream_buffers.get(event.stream_id)
+            if buffer is not None and len(buffer.buffer) >= BUFFER_HIGH_WATER:
+                await buffer.drain()
+        if bound.cancelled_caught:
+            await self._reset_stalled(event.stream_id)
+
+    async def handle(self, event: Event) -> None:
+        await super().handle(event)
+        if isinstance(event, Closed):  # nothing will drain them now: let their waiters go
+            for buffer in list(self.stream_buffers.values()):
+                await buffer.close()
+
+    async def _reset_stalled(self, stream_id: int) -> None:
+        """Reset a stream whose client took none of it in time, as a client's reset is handled."""
+        with contextlib.suppress(h2.exceptions.ProtocolError):  # already closed, by either side
+            self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        await self._flush()
+        await self._close_stream(stream_id)  # its app sees the client gone
+        # The send task finds the stream closed, and drops its buffer.
+        await self._window_updated(stream_id)
+        self._stalled(not self.streams)
+
+
+class Protocols(ProtocolWrapper):
+    """hypercorn's ``ProtocolWrapper``, switching to ``BoundedH2`` where it switches to HTTP/2."""
+
+    def __init__(self, *args: Any, stall_timeout: float, stalled: Callable[[bool], None]) -> None:
+        super().__init__(*args)
+        self._stall_timeout = stall_timeout
+        self._stalled = stalled
+
+    @classmethod
+    def instead_of(
+        cls, wrapper: ProtocolWrapper, *, stall_timeout: float, stalled: Callable[[bool], None]
+    ) -> Protocols:
+        """This wrapper in place of ``wrapper``, with its HTTP/1.1 protocol and state."""
+        protocols = cls(
+            wrapper.app,
+            wrapper.config,
+            wrapper.context,
+            wrapper.task_group,
+            wrapper.state,
+            wrapper.ssl,
+            wrapper.client,
+            wrapper.server,
+            wrapper.send,
+            stall_timeout=stall_timeout,
+            stalled=stalled,
+        )
+        protocols.protocol = wrapper.protocol
+        return protocols
+
+    async def handle(self, event: Event) -> None:
+        try:
+            await self.protocol.handle(event)
+        except H2ProtocolAssumedError as error:  # the HTTP/2 preface
+            self.protocol = self._h2()
+            await self.protocol.initiate()
+            if error.data != b"":
+                await self.protocol.handle(RawData(data=error.data))
+        except H2CProtocolRequiredError as error:  # an h2c upgrade
+            self.protocol = self._h2()
+            await self.protocol.initiate(error.headers, error.settings)
+            if error.data != b"":
+                await self.protocol.handle(RawData(data=error.data))
+
+    def _h2(self) -> BoundedH2:
+        return BoundedH2(
+            self.app,
+            self.config,
+            self.context,
+            self.task_group,
+            self.state,
+            self.ssl,
+            self.client,
+            self.server,
+            self.send,
+            stall_timeout=self._stall_timeout,
+            stalled=self._stalled,
+        )
