@@ -325,7 +325,8 @@ def bench(session: nox.Session) -> None:
 def load(session: nox.Session) -> None:
     """1,000 streaming clients against ``trio-sglang serve`` for 30 s (``-- --quick``: CI's run).
 
-    ``-- --scenario edge``: the same clients alone, then beside non-readers and tricklers.
+    ``-- --scenario edge``: the same clients alone, then beside hostile ones (non-readers,
+    tricklers, HTTP/2 clients that grant no window, and bad KV peers behind a decode server).
     """
     install(session, "serve", "bench")
     session.run("python", "benchmarks/load.py", *session.posargs)

@@ -9,12 +9,15 @@ from typing import Any
 from _load_clients import LoadShape
 from _load_hostile import HostileShape
 
-__all__ = ["HOSTILE_CAP", "HOSTILE_SHARE", "Config", "EdgeConfig"]
+__all__ = ["HOSTILE_CAPS", "HOSTILE_SHARE", "Config", "EdgeConfig"]
 
-#: The edge scenario's default: this share of the normal clients each as
-#: non-readers and as tricklers, at most ``HOSTILE_CAP`` of each.
+#: The edge scenario's default: this share of the normal clients of each hostile
+#: kind, at most its ``HOSTILE_CAPS`` entry. Bad peers are capped lower: each of
+#: their requests makes the decode server call the hostile peer dozens of times
+#: (its KV rooms poll again every 0.1 s), so ten of them already make about a
+#: hundred hostile answers a second.
 HOSTILE_SHARE = 0.1
-HOSTILE_CAP = 50
+HOSTILE_CAPS = {"nonreaders": 50, "tricklers": 50, "zero_window": 50, "bad_peers": 10}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,17 +85,21 @@ class Config:
 class EdgeConfig:
     """The hostile clients beside the normal ones, and the server's bounds; seconds.
 
-    ``for_clients`` gives the default share: 10 % of the normal clients each
-    as non-readers and as tricklers, at most 50 of each (at 1,000 clients, 50
-    non-readers hold up to 200 streams at the engine, a fifth of the normal
-    load's).
+    ``for_clients`` gives the default share: 10 % of the normal clients of
+    each kind, at most 50 non-readers, tricklers and zero-window clients and
+    10 bad peers (at 1,000 clients, 50 non-readers hold up to 200 streams at
+    the engine, a fifth of the normal load's).
     The server gets short bounds (a stall of 2 s, a body read of 3 s, against
     10 s and 30 s by default), so that every hostile client is dropped, and
-    the run seen to its end, within seconds.
+    the run seen to its end, within seconds. The bad peers' decode server waits
+    3 s for a KV cache (SGLang's 300 s would hold each of their requests for
+    the whole run).
     """
 
     nonreaders: int = 50
     tricklers: int = 50
+    zero_window: int = 50
+    bad_peers: int = 10
     stall_timeout: float = 2.0
     read_timeout: float = 3.0
     #: A non-reader's request: why several samples of a long answer, see ``_load_hostile``.
@@ -100,18 +107,28 @@ class EdgeConfig:
     max_tokens: int = 1024
     receive_buffer: int = 4096
     trickle_interval: float = 0.5
+    #: A zero-window client's HTTP/2 streams on each connection.
+    streams: int = 10
+    #: A zero-window or bad-peer client starts at most one connection (or request)
+    #: every ``pace`` s: the server is done with each at once, and a hostile client is
+    #: not a flood.
+    pace: float = 1.0
+    kv_wait_timeout: float = 3.0
     hold_bound: float = 60.0
 
     @classmethod
-    def for_clients(
-        cls, clients: int, nonreaders: int | None = None, tricklers: int | None = None
-    ) -> EdgeConfig:
-        """The default share of ``clients``, unless a count is given."""
-        share = max(1, min(HOSTILE_CAP, round(HOSTILE_SHARE * clients)))
-        return cls(
-            nonreaders=share if nonreaders is None else nonreaders,
-            tricklers=share if tricklers is None else tricklers,
-        )
+    def for_clients(cls, clients: int, **counts: int | None) -> EdgeConfig:
+        """The default share of ``clients``, unless a count is given (by field name)."""
+        share = round(HOSTILE_SHARE * clients)
+        chosen = {name: max(1, min(cap, share)) for name, cap in HOSTILE_CAPS.items()}
+        return cls(**chosen | {name: n for name, n in counts.items() if n is not None})
+
+    @property
+    def zero_window_bound(self) -> float:
+        """The longest the server may hold a zero-window connection: as long as any client
+        that takes none of its bytes (its stall timeout), and a second. ``serve`` without
+        ``--http2`` closes one at once."""
+        return self.stall_timeout + 1.0
 
     def serve_args(self) -> list[str]:
         return [
@@ -123,6 +140,7 @@ class EdgeConfig:
         return HostileShape(
             nonreaders=self.nonreaders,
             tricklers=self.tricklers,
+            zero_window=self.zero_window,
             duration=config.duration,
             ramp=config.ramp,
             samples=self.samples,
@@ -130,6 +148,8 @@ class EdgeConfig:
             receive_buffer=self.receive_buffer,
             trickle_interval=self.trickle_interval,
             read_timeout=self.read_timeout,
+            streams=self.streams,
+            pace=self.pace,
             hold_bound=self.hold_bound,
             seed=config.seed,
         )

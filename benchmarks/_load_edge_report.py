@@ -5,9 +5,11 @@ no 5xx, no failed request, nothing left at the engine, ...). On top: the
 ratio of the normal clients' p99 ITL with the hostile share to without it,
 a time target judged only on a quiet machine (``_verdict.judge_machine``);
 what the hostile clients saw (how long the server held a non-reader's
-request, what a trickler was answered); and the server's own count of the
-clients it dropped, which must be exactly the non-readers it let go of: a
-normal client dropped would show as one more.
+request or a zero-window client's connection, what a trickler was
+answered); the server's own count of the clients it dropped, which must be
+exactly the non-readers it let go of: a normal client dropped would show as
+one more; and what the bad peers' decode server did with their requests
+(``_load_bad_peer.BadPeers``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from _load_bad_peer import BadPeers
 from _load_config import EdgeConfig
-from _load_hostile import HostileTally
-from _load_report import LoadReport, cores, mib, ms, pairs, zero
+from _load_hostile import Holds, HostileTally
+from _load_report import LoadReport, cores, mib, ms, pairs, seconds, zero
 from _load_run import Run
 from _metrics import percentiles
 from _report import table, wrap
@@ -34,15 +37,12 @@ def _ratio(edge: float | None, baseline: float | None) -> float | None:
     return None if edge is None or not baseline else edge / baseline
 
 
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
-
-
 @dataclass(slots=True)
 class EdgeReport:
     run: Run
     edge: EdgeConfig
     hostile: HostileTally
+    peers: BadPeers
     baseline: LoadReport = field(init=False)
     loaded: LoadReport = field(init=False)
     machine: MachineState = field(init=False)
@@ -56,6 +56,7 @@ class EdgeReport:
             *(_phase("baseline", check) for check in self.baseline.phase_checks()),
             *(_phase("edge", check) for check in self.loaded.phase_checks()),
             *self._hostile_checks(),
+            *self.peers.checks(),
             *self.loaded.process_checks(),
         ]
 
@@ -65,14 +66,14 @@ class EdgeReport:
         return all(check.met is not False for check in self.checks)
 
     def _machine(self) -> MachineState:
-        """The busy-machine rule, with this process and the server as our own load.
+        """The busy-machine rule, with this process and both servers as our own load.
 
         The rule's OS-stall part needs a per-cell stall figure this run does
         not measure; it is left at 0, so only the load average decides.
         """
         run = self.run
         server_cpu = self.loaded.after.get("process_cpu_seconds_total") or 0.0
-        own = (run.cpu_s + server_cpu) / run.runtime_s
+        own = (run.cpu_s + server_cpu + self.peers.cpu_s()) / run.runtime_s
         before, after = run.load_average
         return judge_machine(before, after, os.cpu_count() or 1, own, 0.0)
 
@@ -117,15 +118,17 @@ class EdgeReport:
         return _dropped(self.loaded)
 
     def nonreaders(self) -> dict[str, Any]:
-        hostile = self.hostile
-        return {
-            "count": self.edge.nonreaders,
-            "requests": sum(hostile.let_go.values()),
-            "let_go": dict(hostile.let_go),
-            "held_s": percentiles(hostile.holds),
-            "method": "from the request sent to the server letting go, as the client sees it "
-            "without reading (SO_ERROR, or TCP_INFO's state on Linux), looked at every 50 ms",
-        }
+        return _holds(self.edge.nonreaders, self.hostile.nonreaders)
+
+    def zero_window(self) -> dict[str, Any]:
+        return _holds(self.edge.zero_window, self.hostile.zero_window)
+
+    def _zero_window_late(self) -> int:
+        """Zero-window connections the server held past ``zero_window_bound`` once it had
+        answered (the wait to be taken under load is no slot held), or never let go of."""
+        holds, bound = self.hostile.zero_window, self.edge.zero_window_bound
+        late = sum(held > bound for held in holds.after_answer)
+        return late + holds.let_go["held past the bound"]
 
     def tricklers(self) -> dict[str, Any]:
         hostile = self.hostile
@@ -141,14 +144,20 @@ class EdgeReport:
 
     def _hostile_checks(self) -> list[Target]:
         hostile, edge = self.hostile, self.edge
-        reset = hostile.let_go["reset"]
+        readers, zero_window = hostile.nonreaders, hostile.zero_window
+        reset = readers.let_go["reset"]
         dropped = self.dropped()
         by_bound = dropped.get("stalled", 0) + dropped.get("behind", 0)
         not_408 = sum(n for how, n in hostile.trickles.items() if how != "HTTP 408")
         checks = [
             zero(
                 f"non-readers the server held past {edge.hold_bound:g} s",
-                hostile.let_go["held past the bound"],
+                readers.let_go["held past the bound"],
+            ),
+            zero(
+                f"zero-window connections the server held past {edge.zero_window_bound:g} s "
+                "after answering (its stall timeout + 1 s)",
+                self._zero_window_late(),
             ),
             Target(
                 "clients dropped as stalled or behind: the non-readers the server reset",
@@ -163,14 +172,18 @@ class EdgeReport:
                 pairs(hostile.failures.items()),
             ),
         ]
-        if edge.nonreaders or edge.tricklers:
+        ran = {
+            "non-readers let go": (edge.nonreaders, len(readers.seconds)),
+            "tricklers answered": (edge.tricklers, len(hostile.answers)),
+            "zero-window clients let go": (edge.zero_window, len(zero_window.seconds)),
+        }
+        if any(clients for clients, _ in ran.values()):
             checks.append(
                 Target(
-                    "the hostile share ran: non-readers let go, tricklers answered",
+                    f"the hostile share ran: {', '.join(ran)}",
                     "> 0 each",
-                    f"{len(hostile.holds):,} and {len(hostile.answers):,}",
-                    (len(hostile.holds) > 0 or not edge.nonreaders)
-                    and (len(hostile.answers) > 0 or not edge.tricklers),
+                    ", ".join(f"{seen:,}" for _, seen in ran.values()),
+                    all(seen > 0 or not clients for clients, seen in ran.values()),
                 )
             )
         return checks
@@ -183,7 +196,8 @@ class EdgeReport:
             f"Edge: {c.clients:,} normal clients for {c.duration:g} s, "
             f"{c.disconnect_fraction:.0%} of requests abandoned, {c.max_tokens} tokens each "
             f"(seed {c.seed}); first alone (baseline), then beside {edge.nonreaders:,} "
-            f"non-readers and {edge.tricklers:,} tricklers (edge)"
+            f"non-readers, {edge.tricklers:,} tricklers, {edge.zero_window:,} zero-window clients "
+            f"and {edge.bad_peers:,} bad peers (edge)"
         )
         lines = [
             *wrap(title),
@@ -227,19 +241,22 @@ class EdgeReport:
         return table(["normal clients", "baseline", "edge", "ratio"], rows)
 
     def _hostile_lines(self) -> list[str]:
-        edge, readers, tricklers = self.edge, self.nonreaders(), self.tricklers()
-        held, answered = readers["held_s"], tricklers["answered_s"]
+        edge, hostile, tricklers = self.edge, self.hostile, self.tricklers()
+        answered = tricklers["answered_s"]
         paragraphs = [
             f"non-readers ({edge.nonreaders:,}; n={edge.samples} x {edge.max_tokens:,} tokens, "
-            f"SO_RCVBUF {edge.receive_buffer:,}, never read): {readers['requests']:,} requests; "
-            f"the server let go by {pairs(self.hostile.let_go.items())}; held p50 "
-            f"{_seconds(held['p50'])}, max {_seconds(held['max'])} (from the request sent)",
+            f"SO_RCVBUF {edge.receive_buffer:,}, never read): {_held(hostile.nonreaders)}",
             f"tricklers ({edge.tricklers:,}; a byte every {edge.trickle_interval:g} s): "
-            f"{tricklers['requests']:,} requests, answered {pairs(self.hostile.trickles.items())}; "
-            f"p50 {_seconds(answered['p50'])}, max {_seconds(answered['max'])} after the headers",
+            f"{tricklers['requests']:,} requests, answered {pairs(hostile.trickles.items())}; "
+            f"p50 {seconds(answered['p50'])}, max {seconds(answered['max'])} after the headers",
+            f"zero-window clients ({edge.zero_window:,}; HTTP/2 prior knowledge, "
+            f"SETTINGS_INITIAL_WINDOW_SIZE 0, {edge.streams} streaming /generate streams, no "
+            f"WINDOW_UPDATE, never read; a connection every {edge.pace:g} s at most): "
+            f"{_held(hostile.zero_window)}",
             f"server, edge phase: clients dropped {pairs(self.dropped().items())}",
         ]
-        return [line for paragraph in paragraphs for line in wrap(paragraph, hang=2)]
+        lines = [line for paragraph in paragraphs for line in wrap(paragraph, hang=2)]
+        return [*lines, *self.peers.lines()]
 
     def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -251,6 +268,8 @@ class EdgeReport:
             "hostile": {
                 "non_readers": self.nonreaders(),
                 "tricklers": self.tricklers(),
+                "zero_window": self.zero_window(),
+                "bad_peers": self.peers.to_json(),
                 "failures": dict(self.hostile.failures),
                 "clients_dropped": self.dropped(),
             },
@@ -259,6 +278,32 @@ class EdgeReport:
             "edge_config": self.edge.to_json(),
             "machine": machine,
         }
+
+
+def _holds(clients: int, holds: Holds) -> dict[str, Any]:
+    return {
+        "count": clients,
+        "requests": holds.count(),
+        "let_go": dict(holds.let_go),
+        "answered": dict(holds.answers),
+        "held_s": percentiles(holds.seconds),
+        "held_after_answer_s": percentiles(holds.after_answer),
+        "method": "from the request sent (held_s), or from the first bytes of the answer seen "
+        "unread in the receive buffer (FIONREAD; held_after_answer_s), to the server letting "
+        "go, as the client sees it without reading (SO_ERROR, or TCP_INFO's state on Linux), "
+        "looked at every 50 ms; then what it had answered, read",
+    }
+
+
+def _held(holds: Holds) -> str:
+    """How the server let go of connections that never read, and how long it held them."""
+    held, after = percentiles(holds.seconds), percentiles(holds.after_answer)
+    return (
+        f"{holds.count():,} connections; the server let go by {pairs(holds.let_go.items())}, "
+        f"having answered {pairs(holds.answers.items())}; held p50 {seconds(held['p50'])}, "
+        f"max {seconds(held['max'])} from the request sent, p50 {seconds(after['p50'])}, max "
+        f"{seconds(after['max'])} from its answer's first bytes"
+    )
 
 
 def _dropped(report: LoadReport) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The edge scenario's hostile clients, on raw sockets: non-readers and tricklers.
+"""The edge scenario's hostile clients, on raw sockets: non-readers, tricklers, zero-window.
 
 A **non-reader** sets a small receive buffer (``SO_RCVBUF``, before connecting,
 so that the window it advertises is small from its first segment), sends one
@@ -16,41 +16,71 @@ How long the server held a non-reader's request is timed from the request
 sent to the server letting go, as the client can see it without reading:
 the error a recv or send would raise (``SO_ERROR``: the server's reset),
 or, on Linux, the connection no longer established (``TCP_INFO``: reset, or
-closed), looked at every 50 ms.
+closed), looked at every 50 ms; and from the first bytes of its answer
+(seen waiting in the receive buffer, ``FIONREAD``, not read) to the same.
 
 A **trickler** sends its headers whole, then its body one byte every 0.5 s;
 the server must answer 408 within its request-read timeout of the headers,
 and close. It times that answer.
 
+A **zero-window** client speaks HTTP/2 with prior knowledge, the way an
+attack on flow control does: the connection preface, SETTINGS with
+``SETTINGS_INITIAL_WINDOW_SIZE`` 0, then several streaming ``/generate``
+requests, and never a WINDOW_UPDATE, so that a server speaking HTTP/2 could
+not send a byte of any answer and would hold every stream. It never reads
+either, and is timed as a non-reader is. ``serve`` speaks HTTP/1.1 unless
+``--http2``: it reads the preface as a bad HTTP/1.1 request, answers it, and
+closes at once. What it had answered is read once it let go.
+
 Each hostile client starts over on a new connection once the server let go
-of the last, until the run's end; the last ones are seen to their end.
-Every wait is bounded: a hold or a trickle by ``hold_bound`` (reaching it is
-a finding, counted), the whole by a ``trio.fail_after`` only a bug can reach.
+of the last, until the run's end (a zero-window client, which the server lets
+go of at once, at most one connection every ``pace`` s: a hostile client,
+not a connection flood); the last ones are seen to their end. Every wait is
+bounded: a hold or a trickle by ``hold_bound`` (reaching it is a finding,
+counted), the whole by a ``trio.fail_after`` only a bug can reach.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import random
 import socket
+import sys
+import termios
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 from urllib.parse import urlsplit
 
+import h2.config
+import h2.connection
+import h2.settings
 import trio
 
 from _load_clients import request_body
 
-__all__ = ["HostileShape", "HostileTally", "LetGo", "run_hostile"]
+__all__ = [
+    "Holds",
+    "HostileShape",
+    "HostileTally",
+    "LetGo",
+    "repeat",
+    "run_hostile",
+    "zero_window_preface",
+]
 
-#: How a non-reader's hold ended: the server reset the connection, closed it
-#: (a FIN: it let go of the request too), or neither within the bound.
+#: How a hold (a connection that never reads) ended: the server reset the connection,
+#: closed it (a FIN: it let go of the request too), or neither within the bound.
 LetGo = Literal["reset", "closed", "held past the bound"]
 
-#: Seconds between two looks at a non-reader's socket: a hold's resolution.
+#: Seconds between two looks at a socket that never reads: a hold's resolution.
 _LOOK_EVERY = 0.05
+#: One try of a hostile client: a connection, held or trickled until the server is done.
+Attempt = Callable[[], Awaitable[None]]
 #: Seconds before a client whose connect failed tries again (no hot loop).
 _RETRY_AFTER = 0.5
 #: Linux's TCP states (``include/net/tcp_states.h``) that ``TCP_INFO`` starts with.
@@ -64,6 +94,7 @@ class HostileShape:
 
     nonreaders: int
     tricklers: int
+    zero_window: int
     #: No hostile client starts over after this; they start within ``ramp``.
     duration: float
     ramp: float
@@ -76,6 +107,10 @@ class HostileShape:
     trickle_interval: float
     #: The server's request-read timeout, which sizes a trickler's body to outlast it.
     read_timeout: float
+    #: A zero-window client's streams on each connection.
+    streams: int
+    #: A zero-window client starts at most one connection every ``pace`` seconds.
+    pace: float
     #: The longest a hold or a trickle is waited for.
     hold_bound: float
     seed: int
@@ -83,16 +118,34 @@ class HostileShape:
     @property
     def deadline(self) -> float:
         """The most the hostile clients can take: the last ones start just before the end."""
-        return self.duration + self.hold_bound + _RETRY_AFTER + 5.0
+        return self.duration + self.hold_bound + max(_RETRY_AFTER, self.pace) + 5.0
+
+
+@dataclass(slots=True)
+class Holds:
+    """Connections that never read: how long the server held each, and how it let go."""
+
+    #: Seconds from the request sent to the server letting go.
+    seconds: list[float] = field(default_factory=list)
+    #: Seconds from the server's first bytes (seen waiting unread) to it letting go: how
+    #: long it held the connection once it had taken it and answered, without the wait
+    #: to be taken and answered under load (0: both fell between two looks, or it let
+    #: go without a byte).
+    after_answer: list[float] = field(default_factory=list)
+    let_go: Counter[LetGo] = field(default_factory=Counter)
+    #: What the server had answered before it let go (read once it had), by status.
+    answers: Counter[str] = field(default_factory=Counter)
+
+    def count(self) -> int:
+        return sum(self.let_go.values())
 
 
 @dataclass(slots=True)
 class HostileTally:
     """What the hostile clients saw."""
 
-    #: Seconds each non-reader's request was held: sent, to the server letting go.
-    holds: list[float] = field(default_factory=list)
-    let_go: Counter[LetGo] = field(default_factory=Counter)
+    nonreaders: Holds = field(default_factory=Holds)
+    zero_window: Holds = field(default_factory=Holds)
     #: Seconds from each trickler's headers to the server's answer (or its close).
     answers: list[float] = field(default_factory=list)
     #: How each trickle ended: ``HTTP 408``, another status, or no answer.
@@ -117,79 +170,12 @@ def _post(address: tuple[str, int], path: str, body: bytes) -> bytes:
     ).encode()
 
 
-# -- non-readers -------------------------------------------------------------------
-
-
-def _server_let_go(sock: trio.socket.SocketType) -> LetGo | None:
-    """How the server let go of the connection, if it did; read without taking a byte."""
-    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-        return "reset"  # the error a recv or send would raise now
-    if _TCP_INFO is None:
-        return None
-    state = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0]
-    if state == _ESTABLISHED:
-        return None
-    return "reset" if state == _CLOSE else "closed"
-
-
-async def _hold(
-    address: tuple[str, int], request: bytes, shape: HostileShape, tally: HostileTally
-) -> None:
-    """One request sent and never read, until the server lets go of it."""
-    sock = trio.socket.socket()
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, shape.receive_buffer)
-        await sock.connect(address)
-    except OSError as exc:
-        sock.close()
-        tally.failures[f"non-reader: {type(exc).__name__}"] += 1
-        await trio.sleep(_RETRY_AFTER)
-        return
-    async with trio.SocketStream(sock) as stream:  # closing it unread resets: nothing lingers
-        try:
-            await stream.send_all(request)
-        except trio.BrokenResourceError:
-            tally.failures["non-reader: request not sent"] += 1
-            return
-        sent = trio.current_time()
-        how: LetGo = "held past the bound"
-        with trio.move_on_after(shape.hold_bound):
-            # No event tells a socket that is not read that its peer let go: look.
-            while (seen := _server_let_go(sock)) is None:  # noqa: ASYNC110
-                await trio.sleep(_LOOK_EVERY)
-            how = seen
-            tally.holds.append(trio.current_time() - sent)
-        tally.let_go[how] += 1
-
-
-async def _nonreader(
-    index: int,
-    address: tuple[str, int],
-    model: str,
-    shape: HostileShape,
-    stop_at: float,
-    tally: HostileTally,
-) -> None:
-    rng = random.Random(f"{shape.seed}/non-reader/{index}")
-    body = request_body("/v1/completions", model, f"non-reader {index}", shape.max_tokens)
-    payload = json.dumps(body | {"n": shape.samples}).encode()
-    request = _post(address, "/v1/completions", payload) + payload
-    await trio.sleep(rng.uniform(0.0, shape.ramp))
-    while trio.current_time() < stop_at:
-        await _hold(address, request, shape, tally)
-
-
-# -- tricklers ---------------------------------------------------------------------
-
-
-async def _drip(stream: trio.SocketStream, body: bytes, interval: float) -> None:
-    """The body a byte at a time; quietly stops once the server has closed."""
-    try:
-        for at in range(len(body)):
-            await trio.sleep(interval)
-            await stream.send_all(body[at : at + 1])
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+async def repeat(stop_at: float, pace: float, attempt: Attempt) -> None:
+    """``attempt()`` one after another until ``stop_at``, each start at least ``pace`` s after
+    the one before (0: at once), so that an attempt the server ends at once is no hot loop."""
+    while (started := trio.current_time()) < stop_at:
+        await attempt()
+        await trio.sleep_until(started + pace)
 
 
 async def _answer(stream: trio.SocketStream) -> str:
@@ -205,6 +191,119 @@ async def _answer(stream: trio.SocketStream) -> str:
         return "reset without an answer"
     status_line = received.split(b"\r\n", 1)[0].decode(errors="replace")
     return f"HTTP {status_line.partition(' ')[2].partition(' ')[0]}"
+
+
+# -- connections that never read: non-readers and zero-window clients -------------
+
+
+def _unread(sock: trio.socket.SocketType) -> int:
+    """Bytes of the server's answer waiting in the receive buffer (``FIONREAD``): seen
+    without reading them, so that the window the client advertises stays as it is."""
+    waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4))
+    return int.from_bytes(waiting, sys.byteorder)
+
+
+def _server_let_go(sock: trio.socket.SocketType) -> LetGo | None:
+    """How the server let go of the connection, if it did; read without taking a byte."""
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+        return "reset"  # the error a recv or send would raise now
+    if _TCP_INFO is None:
+        return None
+    state = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0]
+    if state == _ESTABLISHED:
+        return None
+    return "reset" if state == _CLOSE else "closed"
+
+
+async def _hold(
+    address: tuple[str, int],
+    request: bytes,
+    who: str,
+    shape: HostileShape,
+    holds: Holds,
+    tally: HostileTally,
+) -> None:
+    """One request sent and never read, until the server lets go of it; then its answer."""
+    sock = trio.socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, shape.receive_buffer)
+        await sock.connect(address)
+    except OSError as exc:
+        sock.close()
+        tally.failures[f"{who}: {type(exc).__name__}"] += 1
+        await trio.sleep(_RETRY_AFTER)
+        return
+    async with trio.SocketStream(sock) as stream:  # closing it unread resets: nothing lingers
+        try:
+            await stream.send_all(request)
+        except trio.BrokenResourceError:
+            tally.failures[f"{who}: request not sent"] += 1
+            return
+        sent = trio.current_time()
+        answered: float | None = None
+        how: LetGo = "held past the bound"
+        with trio.move_on_after(shape.hold_bound):
+            # No event tells a socket that is not read that its peer let go: look.
+            while (seen := _server_let_go(sock)) is None:
+                if answered is None and _unread(sock):
+                    answered = trio.current_time()
+                await trio.sleep(_LOOK_EVERY)
+            how, now = seen, trio.current_time()
+            holds.seconds.append(now - sent)
+            holds.after_answer.append(0.0 if answered is None else now - answered)
+            holds.answers[await _answer(stream)] += 1  # what is left of it: no wait
+        holds.let_go[how] += 1
+
+
+def _nonreader(
+    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+) -> Attempt:
+    body = request_body("/v1/completions", model, f"non-reader {index}", shape.max_tokens)
+    payload = json.dumps(body | {"n": shape.samples}).encode()
+    request = _post(address, "/v1/completions", payload) + payload
+    return partial(_hold, address, request, "non-reader", shape, tally.nonreaders, tally)
+
+
+def zero_window_preface(host: str, model: str, prompt: str, max_tokens: int, streams: int) -> bytes:
+    """An HTTP/2 client's first bytes, with prior knowledge: the preface, SETTINGS with an
+    initial window of 0, and ``streams`` streaming ``/generate`` requests whose answers a
+    server speaking HTTP/2 could then never send."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.local_settings = h2.settings.Settings(
+        client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+    )
+    conn.initiate_connection()
+    body = json.dumps(request_body("/generate", model, prompt, max_tokens)).encode()
+    head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http")]
+    for stream_id in range(1, 2 * streams, 2):
+        conn.send_headers(
+            stream_id,
+            [*head, (":authority", host), ("content-type", "application/json")],
+        )
+        conn.send_data(stream_id, body, end_stream=True)
+    return conn.data_to_send()
+
+
+def _zero_window(
+    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+) -> Attempt:
+    host = f"{address[0]}:{address[1]}"
+    prompt = f"zero-window {index}"
+    request = zero_window_preface(host, model, prompt, shape.max_tokens, shape.streams)
+    return partial(_hold, address, request, "zero-window", shape, tally.zero_window, tally)
+
+
+# -- tricklers ---------------------------------------------------------------------
+
+
+async def _drip(stream: trio.SocketStream, body: bytes, interval: float) -> None:
+    """The body a byte at a time; quietly stops once the server has closed."""
+    try:
+        for at in range(len(body)):
+            await trio.sleep(interval)
+            await stream.send_all(body[at : at + 1])
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
 
 
 async def _trickle(
@@ -234,33 +333,39 @@ async def _trickle(
         tally.trickles[how] += 1
 
 
-async def _trickler(
-    index: int,
-    address: tuple[str, int],
-    model: str,
-    shape: HostileShape,
-    stop_at: float,
-    tally: HostileTally,
-) -> None:
-    rng = random.Random(f"{shape.seed}/trickler/{index}")
+def _trickler(
+    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+) -> Attempt:
     # A body that at this pace would still be arriving at four times the server's
     # bound, so that what ends it is the bound, never the body's end.
     length = math.ceil(4 * shape.read_timeout / shape.trickle_interval)
     prompt = f"trickler {index}" + " slow" * math.ceil(length / len(" slow"))
     body = json.dumps(request_body("/v1/completions", model, prompt, 1)).encode()
     head = _post(address, "/v1/completions", body)
+    return partial(_trickle, address, head, body, shape, tally)
+
+
+async def _client(
+    name: str, index: int, attempt: Attempt, pace: float, shape: HostileShape, stop_at: float
+) -> None:
+    """One hostile client: ``attempt`` again and again, from a moment within the ramp."""
+    rng = random.Random(f"{shape.seed}/{name}/{index}")
     await trio.sleep(rng.uniform(0.0, shape.ramp))
-    while trio.current_time() < stop_at:
-        await _trickle(address, head, body, shape, tally)
+    await repeat(stop_at, pace, attempt)
 
 
 async def run_hostile(url: str, model: str, shape: HostileShape, tally: HostileTally) -> None:
     """Run the hostile clients for ``shape.duration`` s; return once the last let go."""
     address = _address(url)
     stop_at = trio.current_time() + shape.duration
+    kinds = (
+        ("non-reader", shape.nonreaders, _nonreader, 0.0),
+        ("trickler", shape.tricklers, _trickler, 0.0),
+        ("zero-window", shape.zero_window, _zero_window, shape.pace),
+    )
     with trio.fail_after(shape.deadline):
         async with trio.open_nursery() as nursery:
-            for index in range(shape.nonreaders):
-                nursery.start_soon(_nonreader, index, address, model, shape, stop_at, tally)
-            for index in range(shape.tricklers):
-                nursery.start_soon(_trickler, index, address, model, shape, stop_at, tally)
+            for name, count, attempt_of, pace in kinds:
+                for index in range(count):
+                    attempt = attempt_of(index, address, model, shape, tally)
+                    nursery.start_soon(_client, name, index, attempt, pace, shape, stop_at)

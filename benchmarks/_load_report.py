@@ -19,7 +19,7 @@ from _load_rss import RssTrace
 from _metrics import Stats, percentiles
 from _report import Target
 
-__all__ = ["LoadReport", "cores", "mib", "ms", "pairs", "zero"]
+__all__ = ["LoadReport", "cores", "exit_check", "mib", "ms", "pairs", "seconds", "zero"]
 
 _MIB = float(2**20)
 _ABORT_DELAY = "trio_sglang_abort_delay_seconds"
@@ -173,17 +173,9 @@ class LoadReport:
     def process_checks(self) -> list[Target]:
         """The invariants of the server process's whole life: its log, its exit."""
         errors = self.log_levels.get("ERROR", 0) + self.log_levels.get("CRITICAL", 0)
-        stop = self.config.stop_timeout
         return [
             zero("ERROR lines in the server's log", errors),
-            Target(
-                "server exits 0 on SIGINT",
-                f"within {stop:g} s",
-                f"status {self.exit_status} in {self.stop_s:.2f} s"
-                if self.exit_status is not None
-                else f"still running after {stop:g} s",
-                self.exit_status == 0,
-            ),
+            exit_check("server", self.exit_status, self.stop_s, self.config.stop_timeout),
         ]
 
     # -- what a person reads ---------------------------------------------------------
@@ -273,6 +265,22 @@ class LoadReport:
 
 def cores(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} cores"
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def exit_check(server: str, status: int | None, stop_s: float, bound: float) -> Target:
+    """A server's exit after SIGINT: status 0 within ``bound`` s (None: still running)."""
+    return Target(
+        f"{server} exits 0 on SIGINT",
+        f"within {bound:g} s",
+        f"status {status} in {stop_s:.2f} s"
+        if status is not None
+        else f"still running after {bound:g} s",
+        status == 0,
+    )
 
 
 def zero(what: str, count: int, detail: str = "") -> Target:

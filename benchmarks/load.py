@@ -2,7 +2,7 @@
 
     python benchmarks/load.py [--quick] [--scenario load|edge] [--clients 1000]
         [--duration 30] [--disconnect-fraction 0.333] [--seed 0]
-        [--nonreaders N] [--tricklers N] [--json PATH]
+        [--nonreaders N] [--tricklers N] [--zero-window N] [--bad-peers N] [--json PATH]
 
 Starts the server as a subprocess (SimEngine, load-appropriate timing, see
 ``Config``) on a free loopback port, warms it up, then runs the clients for
@@ -18,8 +18,10 @@ JSON; the exit status is 1 if an invariant failed. See docs/benchmarks.md.
 ``--scenario edge`` runs the same clients twice on one server started with
 short client bounds (``EdgeConfig``): alone, then beside hostile clients
 (``_load_hostile``: non-readers that never read their answer, tricklers that
-send their body a byte at a time), and compares what the normal clients saw
-(``_load_edge_report``).
+send their body a byte at a time, HTTP/2 clients that grant no flow-control
+window; ``_load_bad_peer``: clients whose requests make a decode server,
+started beside the server for the whole run, read a hostile KV peer's
+answers), and compares what the normal clients saw (``_load_edge_report``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from typing import Any
 
 import trio
 
-from _load_config import Config, EdgeConfig
+from _load_bad_peer import BadPeerShape, open_bad_peers
+from _load_config import HOSTILE_CAPS, Config, EdgeConfig
 from _load_edge_report import EdgeReport
 from _load_hostile import HostileTally, run_hostile
 from _load_report import LoadReport
@@ -46,6 +49,8 @@ __all__ = ["main", "run_edge", "run_load"]
 RESULTS = Path(__file__).resolve().parent / "results"
 QUICK = {"clients": 200, "duration": 8.0, "warmup_clients": 20, "warmup_duration": 1.0}
 SCENARIOS = ("load", "edge")
+#: The edge scenario's progress steps: its two phases', and the bad peers' start and end.
+EDGE_STEPS = progress_steps(2) + 2
 
 
 async def run_load(config: Config, progress: Progress) -> LoadReport:
@@ -55,15 +60,28 @@ async def run_load(config: Config, progress: Progress) -> LoadReport:
 
 
 async def run_edge(config: Config, edge: EdgeConfig, progress: Progress) -> EdgeReport:
-    """One server with ``edge``'s bounds: the load alone, then beside the hostile clients."""
+    """One server with ``edge``'s bounds: the load alone, then beside the hostile clients;
+    the bad peers' decode server beside it from before the baseline to the end."""
     hostile = HostileTally()
+    progress.start("starting a hostile KV peer, and a decode server whose prefill peer it is")
+    async with open_bad_peers(
+        BadPeerShape.for_edge(edge, config),
+        start_timeout=config.start_timeout,
+        http_timeout=config.admin_timeout,
+    ) as bad_peers:
+        progress.step_done()
 
-    async def beside(url: str, model: str) -> None:
-        await run_hostile(url, model, edge.shape(config), hostile)
+        async def beside(url: str, model: str) -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_hostile, url, model, edge.shape(config), hostile)
+                nursery.start_soon(bad_peers.run_clients)
 
-    phases = [("baseline", None), ("edge", beside)]
-    run = await run_server(config, progress, phases, edge.serve_args())
-    return EdgeReport(run, edge, hostile)
+        phases = [("baseline", None), ("edge", beside)]
+        run = await run_server(config, progress, phases, edge.serve_args())
+        progress.start("bad peers: the decode server's settle, then SIGINT")
+        peers = await bad_peers.finish(config.settle_timeout, config.stop_timeout)
+        progress.step_done()
+    return EdgeReport(run, edge, hostile, peers)
 
 
 # -- the command line ---------------------------------------------------------------
@@ -115,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCENARIOS,
         default="load",
         help="load: the clients alone; edge: the clients alone, then beside hostile clients "
-        "(non-readers and tricklers), on one server with short client bounds (default load)",
+        "(non-readers, tricklers, zero-window HTTP/2 clients, bad KV peers), on one server "
+        "with short client bounds (default load)",
     )
     parser.add_argument("--clients", type=_count, help=f"default {defaults.clients}")
     parser.add_argument(
@@ -136,16 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-tokens", type=_count, help=f"tokens per request (default {defaults.max_tokens})"
     )
-    edge = EdgeConfig.for_clients(defaults.clients)
     for name, what in (
         ("nonreaders", "streaming clients that never read their answer"),
         ("tricklers", "clients that send their body a byte at a time"),
+        ("zero_window", "HTTP/2 clients that grant no flow-control window and never read"),
+        ("bad_peers", "clients whose requests make a decode server read a hostile KV peer"),
     ):
         parser.add_argument(
-            f"--{name}",
+            f"--{name.replace('_', '-')}",
             type=_share,
             help=f"--scenario edge: {what} (default 10%% of --clients, at most "
-            f"{getattr(edge, name)})",
+            f"{HOSTILE_CAPS[name]})",
         )
     parser.add_argument(
         "--json",
@@ -173,7 +193,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def edge_from_args(args: argparse.Namespace, config: Config) -> EdgeConfig:
-    return EdgeConfig.for_clients(config.clients, args.nonreaders, args.tricklers)
+    counts = {name: getattr(args, name) for name in HOSTILE_CAPS}
+    return EdgeConfig.for_clients(config.clients, **counts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -190,11 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.scenario == "edge":
         edge = edge_from_args(args, config)
         print(
-            f"edge: {edge.nonreaders} non-readers and {edge.tricklers} tricklers beside the "
+            f"edge: {edge.nonreaders} non-readers, {edge.tricklers} tricklers, "
+            f"{edge.zero_window} zero-window clients and {edge.bad_peers} bad peers beside the "
             f"clients; server bounds {' '.join(edge.serve_args())} (why: EdgeConfig)",
             file=sys.stderr,
         )
-        progress = Progress(total=progress_steps(2))
+        progress = Progress(total=EDGE_STEPS)
         report = trio.run(run_edge, config, edge, progress)
     else:
         progress = Progress(total=progress_steps(1))

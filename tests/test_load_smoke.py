@@ -7,7 +7,8 @@ metrics the runner judges by (``process_resident_memory_bytes``, the
 SimEngine's event counts) and ``SimEngine(keep_trace=False)``, which a
 long-running server needs. One tiny run of the whole runner (a server
 subprocess, a few clients for a second, real time) closes it, and one of
-the edge scenario (the same, then beside a non-reader and a trickler); they
+the edge scenario (the same, then beside one hostile client of each kind: a
+non-reader, a trickler, a zero-window HTTP/2 client, a bad KV peer's); they
 assert counts and verdicts, never timings.
 """
 
@@ -40,16 +41,20 @@ def load() -> Iterator[Any]:
     """The runner's modules, imported from benchmarks/ as the script imports them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
+        import _load_bad_peer
         import _load_clients
         import _load_config
+        import _load_hostile
         import _load_metrics
         import _load_report
         import _report
         import load as runner
 
         yield SimpleNamespace(
+            bad_peer=_load_bad_peer,
             clients=_load_clients,
             config=_load_config,
+            hostile=_load_hostile,
             metrics=_load_metrics,
             report=_load_report,
             progress=_report.Progress,
@@ -202,18 +207,42 @@ def test_edge_command_line(load: Any) -> None:
     runner = load.runner
     parse = runner.build_parser().parse_args
 
-    def edge(*argv: str) -> tuple[int, int]:
+    def edge(*argv: str) -> tuple[int, int, int, int]:
         args = parse(["--scenario", "edge", *argv])
         chosen = runner.edge_from_args(args, runner.config_from_args(args))
-        return chosen.nonreaders, chosen.tricklers
+        return chosen.nonreaders, chosen.tricklers, chosen.zero_window, chosen.bad_peers
 
-    assert edge() == (50, 50)  # 10 % of 1,000 clients, at most 50 of each
-    assert edge("--quick") == (20, 20)
-    assert edge("--clients", "3") == (1, 1)
-    assert edge("--tricklers", "0", "--nonreaders", "7") == (7, 0)
+    assert edge() == (50, 50, 50, 10)  # 10 % of 1,000 clients, at most 50 of each (10 peers)
+    assert edge("--quick") == (20, 20, 20, 10)
+    assert edge("--clients", "3") == (1, 1, 1, 1)
+    assert edge("--tricklers", "0", "--nonreaders", "7") == (7, 0, 50, 10)
+    assert edge("--zero-window", "0", "--bad-peers", "3") == (50, 50, 0, 3)
     assert "--client-stall-timeout" in load.config.EdgeConfig().serve_args()
     with pytest.raises(SystemExit):
         parse(["--scenario", "edge", "--nonreaders", "-1"])
+
+
+def test_a_zero_window_client_grants_no_window_and_opens_its_streams(load: Any) -> None:
+    """Its bytes, read by an HTTP/2 server: a window of 0 from the start, and every stream
+    a whole streaming ``/generate`` request, which a server speaking HTTP/2 could not answer."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.settings
+
+    preface = load.hostile.zero_window_preface("127.0.0.1:1", "m", "hi", 1024, 3)
+    assert preface.startswith(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    events = server.receive_data(preface)
+    settings = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
+    window = settings[0].changed_settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE]
+    assert window.new_value == 0
+    requests = [e for e in events if isinstance(e, h2.events.RequestReceived)]
+    assert [dict(e.headers)[b":path"] for e in requests] == [b"/generate"] * 3
+    bodies = [json.loads(e.data) for e in events if isinstance(e, h2.events.DataReceived)]
+    assert [body["stream"] for body in bodies] == [True] * 3
+    assert len([e for e in events if isinstance(e, h2.events.StreamEnded)]) == 3
 
 
 # -- the verdict ---------------------------------------------------------------------------
@@ -335,23 +364,43 @@ async def test_a_tiny_edge_run(load: Any) -> None:
         warmup_duration=0.2,
     )
     # A token every 10 ms fills a non-reader's buffers within a second; bounds to match.
+    # Zero-window and bad-peer clients start over every 0.2 s, so that a bad peer's
+    # requests take both routes to the peer within the second.
     edge = load.config.EdgeConfig(
         nonreaders=1,
         tricklers=1,
+        zero_window=1,
+        bad_peers=1,
         stall_timeout=0.5,
         read_timeout=0.5,
         trickle_interval=0.1,
+        pace=0.2,
+        kv_wait_timeout=0.5,
         hold_bound=20.0,
     )
-    report = await load.runner.run_edge(config, edge, load.progress(7, stream=io.StringIO()))
+    progress = load.progress(load.runner.EDGE_STEPS, stream=io.StringIO())
+    report = await load.runner.run_edge(config, edge, progress)
     # Every invariant holds; the ITL target is a timing, judged by the benchmark on a quiet
     # machine at its full size, never asserted here.
     failed = [check.what for check in report.checks if check.met is False]
     assert [what for what in failed if "p99 ITL" not in what] == [], report.format()
     hostile = report.hostile
-    assert hostile.let_go["reset"] == len(hostile.holds) > 0
+    readers, zero_window = hostile.nonreaders, hostile.zero_window
+    assert readers.let_go["reset"] == len(readers.seconds) > 0
     assert set(hostile.trickles) == {"HTTP 408"}
     assert report.dropped().get("stalled", 0) + report.dropped().get("behind", 0) > 0
+    # HTTP/2 is off: each zero-window connection is answered as HTTP/1.1 and closed.
+    assert zero_window.count() == len(zero_window.seconds) > 0
+    assert "held past the bound" not in zero_window.let_go
+    assert max(zero_window.after_answer) <= edge.zero_window_bound
+    peers = report.peers
+    assert peers.requests.unexpected() == {}
+    by_route = peers.to_json()["requests"]
+    assert all(sum(outcomes.values()) > 0 for outcomes in by_route.values()), by_route
+    assert sum(peers.peer.answers().values()) > 0
+    assert not peers.peer.past_bound
+    assert peers.decode.exit_status == 0
+    assert peers.decode.live() == 0
     for phase in (report.baseline, report.loaded):
         assert phase.server()["engine_live_requests"] == 0
         assert phase.tally.count() > 0
