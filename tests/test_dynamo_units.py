@@ -480,7 +480,8 @@ def test_a_refusal_reaches_the_runtime_as_one_line_without_traceback_or_chain(
         body = with_fields("output_options", logprobs=2) if invalid else request(5)
         chunks = bridge.generate(body, StandInContext(loop))
         taken = asyncio.ensure_future(chunks.__anext__())
-        await asyncio.wait([taken])
+        done, _ = await asyncio.wait([taken], timeout=5)
+        assert done, "the refusal never reached the runtime"
         error = taken.exception()
         assert error is not None
         seen.append(error)
