@@ -202,7 +202,7 @@ def real_engine(session: nox.Session) -> None:
     install_sglang_cpu(session, "dynamo")
     session.install(*DYNAMO_FRONTEND_NEEDS)
     model = Path(session.virtualenv.location) / "tiny-llama"
-    build = "import sys; from trio_sglang.harness import build_tiny_model as b; b(sys.argv[1])"
+    build = "import sys; from trio_sglang_harness import build_tiny_model as b; b(sys.argv[1])"
     session.run_install("python", "-c", build, str(model))
     session.run("pytest", "-m", "real_engine", *session.posargs)
     session.run("python", "scripts/gpu_smoke.py", "--model-path", str(model), "--device", "cpu")
@@ -256,8 +256,8 @@ def serve(session: nox.Session) -> None:
     session.run("trio-sglang", "serve", *session.posargs)
 
 
-#: The options of ``cancel_latency.py`` that ``disagg_cancel.py`` takes too, with one meaning
-#: (``--full`` is ``disagg_cancel.py``'s default size).
+#: The options of ``cancel_latency.py`` that ``disagg_cancel.py`` and ``serve_throughput.py``
+#: take too, with one meaning (``--full`` is their default size); any of them runs those two.
 SHARED_BENCH_FLAGS = frozenset({"--quick", "--full", "-h", "--help"})
 
 
@@ -267,15 +267,15 @@ BENCH_ADDITIONS = frozenset({"--dynamo", "--real-engine"})
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The main job: cancel latency (about 2 min), a prefill/decode pair (about 50 s), then
-    serving throughput (about 2 min).
+    """The main job: the cancel-latency headline, about 2 min on 2 cores.
 
-    ``-- --quick``: the three subsets (CI, under a minute each); ``-- --full``: the
-    whole sweep. All write into one new folder, ``bench-results/<UTC time>/``
-    (``-- --out DIR`` to choose it): results.json, latency.png, summary.md,
-    disagg.json and serve_throughput.json. Other arguments after ``--`` go to
-    ``cancel_latency.py`` only; the others' own options (``--requests``,
-    ``--streams``, ...): run them directly.
+    ``-- --full``: the whole cancel sweep (about 4 min), then a prefill/decode pair
+    (about 50 s) and serving throughput (about 2 min). ``-- --quick``: a subset of
+    each of the three (CI; under a minute each). All write into one new folder,
+    ``bench-results/<UTC time>/`` (``-- --out DIR`` to choose it): results.json,
+    latency.png, summary.md, and with the other two disagg.json and
+    serve_throughput.json. Other arguments after ``--`` go to ``cancel_latency.py``
+    only; the others' own options (``--requests``, ``--streams``, ...): run them directly.
     ``-- --dynamo`` also installs the dynamo extra with Dynamo's frontend and runs
     ``dynamo_cancel.py`` (behind Dynamo; about 2 min, 1 with ``--quick``) into dynamo.json.
     ``-- --real-engine`` also installs SGLang for the CPU (as ``real-engine`` does) and
@@ -301,8 +301,9 @@ def bench(session: nox.Session) -> None:
         args += out
     session.run("python", "benchmarks/cancel_latency.py", *args)
     shared = [arg for arg in args if arg in SHARED_BENCH_FLAGS]
-    session.run("python", "benchmarks/disagg_cancel.py", *shared, *out)
-    session.run("python", "benchmarks/serve_throughput.py", *shared, *out)
+    if shared:  # the headline alone by default: the other two are behind --full (or --quick)
+        session.run("python", "benchmarks/disagg_cancel.py", *shared, *out)
+        session.run("python", "benchmarks/serve_throughput.py", *shared, *out)
     folder = out[-1].removeprefix("--out=")
     quick = ["--quick"] if "--quick" in args else []
     if dynamo:

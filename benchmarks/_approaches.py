@@ -116,7 +116,7 @@ class RecordingEngine:
     def running(self) -> AbstractAsyncContextManager[None]:
         return self._inner.running()
 
-    def features(self) -> Mapping[str, object]:
+    def features(self) -> ts.EngineFeatures:
         return self._inner.features()
 
     def generate(self, request: Mapping[str, Any]) -> ts.EngineStream:

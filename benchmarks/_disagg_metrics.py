@@ -38,7 +38,7 @@ from itertools import accumulate
 from typing import Any
 
 from _disagg_run import RunData
-from _metrics import Stats, percentiles
+from _stats import Stats, percentiles
 
 __all__ = ["HELD_AFTER", "PHASES", "ApproachResult", "PhaseResult", "summarize"]
 

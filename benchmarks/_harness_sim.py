@@ -24,7 +24,7 @@ import trio
 
 import trio_sglang as ts
 from _approaches import PollThenAbort, StreamRecord
-from trio_sglang.harness import (
+from trio_sglang_harness import (
     CallerStream,
     Observation,
     Scenario,

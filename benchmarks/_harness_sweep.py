@@ -4,7 +4,7 @@ Each cancel runs as one scenario in the harness's host process: SGLang
 0.5.23's real TokenizerManager against the stand-in scheduler, the request
 made either by trio-sglang's worker (``SGLangEngine`` through trio-asyncio)
 or by NVIDIA Dynamo 1.6.1's own SGLang handler (``dynamo-1.6``: the
-``bench-dynamo`` extra, see ``trio_sglang.harness._dynamo_handler``). The two
+``bench-dynamo`` extra, see ``trio_sglang_harness._dynamo_handler``). The two
 take turns, cancel by cancel, in the same phases with the same timing. Times
 come from one clock for both sides (``time.monotonic``, system-wide): the
 cancel, the caller's stream ending, and the scheduler's log of what it
@@ -33,9 +33,9 @@ from typing import Any
 import trio
 
 from _harness_sim import observe_poll_then_abort
-from _metrics import percentiles
+from _stats import percentiles
 from _verdict import MachineState
-from trio_sglang.harness import Caller, CancelPhase, Observation, Scenario, open_sglang_harness
+from trio_sglang_harness import Caller, CancelPhase, Observation, Scenario, open_sglang_harness
 
 __all__ = [
     "HARNESS_PHASES",

@@ -63,8 +63,8 @@ from _load_hostile import repeat
 from _load_metrics import Scrape
 from _load_report import exit_check, pairs, seconds, zero
 from _load_server import ServerProcess, open_server
-from _metrics import percentiles
 from _report import Target, wrap
+from _stats import percentiles
 
 __all__ = [
     "ANSWERS",

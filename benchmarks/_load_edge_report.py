@@ -23,8 +23,8 @@ from _load_config import EdgeConfig
 from _load_hostile import Holds, HostileTally
 from _load_report import LoadReport, cores, mib, ms, pairs, seconds, zero
 from _load_run import Run
-from _metrics import percentiles
 from _report import table, wrap
+from _stats import percentiles
 from _verdict import QUIET_LOAD_PER_CORE, MachineState, Target, judge_machine
 
 __all__ = ["ITL_RATIO_TARGET", "EdgeReport"]

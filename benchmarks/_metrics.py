@@ -25,29 +25,12 @@ from typing import Any
 import trio_sglang as ts
 from _approaches import StreamRecord
 from _meter import Meter
+from _stats import percentiles
 
-__all__ = ["CellResult", "Stats", "percentiles", "summarize"]
-
-Stats = dict[str, float | None]
+__all__ = ["CellResult", "summarize"]
 
 
 _END_KINDS = frozenset({"abort_applied", "released", "finished"})
-
-
-def percentiles(samples: Sequence[float]) -> Stats:
-    """p50, p99 and max by nearest rank (never interpolated below a real sample).
-
-    Infinite samples (never stopped) stay infinite and come out as ``None``.
-    """
-    if not samples:
-        return {"p50": None, "p99": None, "max": None}
-    ordered = sorted(samples)
-
-    def rank(p: float) -> float | None:
-        value = ordered[max(0, math.ceil(p * len(ordered)) - 1)]
-        return None if math.isinf(value) else value
-
-    return {"p50": rank(0.50), "p99": rank(0.99), "max": rank(1.0)}
 
 
 @dataclass(slots=True, eq=False)

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from _http_servers_cpu import SLOW_PROMPT
-from _metrics import percentiles
+from _stats import percentiles
 from _subprocesses import Process, free_port, wait_until
 
 __all__ = [

@@ -9,7 +9,7 @@ server (the default) is started as ``launch_server`` starts it
 (``_setup_and_run_http_server``: its FastAPI app, its OpenAI handlers, its
 warm-up, uvicorn on uvloop); ``--server trio-sglang`` is trio-sglang's
 ``serve`` over ``SGLangEngine``. Either runs on the real ``TokenizerManager``
-built as the GPU-free harness builds it (``trio_sglang.harness.open_tokenizer_manager``,
+built as the GPU-free harness builds it (``trio_sglang_harness.open_tokenizer_manager``,
 for whichever SGLang release is installed) and the harness's stand-in
 scheduler in place of the GPU scheduler and the detokenizer: a process of its
 own, whose CPU is not the server's, as a GPU scheduler's is not. The stand-in
@@ -37,7 +37,7 @@ from typing import Any
 
 from _http_servers_cpu import slow_down
 from _subprocesses import free_port, wait_until
-from trio_sglang.harness import HostedTokenizerManager, open_tokenizer_manager
+from trio_sglang_harness import HostedTokenizerManager, open_tokenizer_manager
 
 __all__ = ["main"]
 

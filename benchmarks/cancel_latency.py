@@ -64,7 +64,7 @@ from _trio_floor import bare_trio_burst_ms
 from _verdict import judge_machine
 
 if TYPE_CHECKING:
-    from trio_sglang.harness import Caller
+    from trio_sglang_harness import Caller
 
 __all__ = ["SIZES", "Config", "Size", "main", "run_benchmark"]
 
@@ -193,7 +193,7 @@ async def run_benchmark(config: Config, progress: Progress | None = None) -> Rep
         report.at_once.append(burst)
         steps.step_done()
     if config.shutdown_pending:
-        steps.start(f"shutdown with {config.shutdown_pending:,} pending cleanups")
+        steps.start(f"shutdown with {config.shutdown_pending:,} pending cleanups, and its floor")
         report.shutdown = await shutdown_time(config.shutdown_pending)
         steps.step_done()
     report.runtime_s = time.perf_counter() - started
@@ -470,7 +470,7 @@ def _server_rows(repeats: int) -> list[dict[str, Any]]:
     import tempfile
 
     from _server_sweep import run_server_sweep
-    from trio_sglang.harness import build_tiny_model
+    from trio_sglang_harness import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="servers-") as scratch:
         folder = Path(scratch)

@@ -39,8 +39,8 @@ from typing import Any
 from _disagg_approaches import PD_APPROACHES
 from _disagg_metrics import HELD_AFTER, PHASES, ApproachResult, summarize
 from _disagg_run import PROGRESS_STEPS, Workload, run_approach
-from _metrics import percentiles
 from _report import Progress, add_file_options, markdown_table, results_folder, table, wrap
+from _stats import percentiles
 from cancel_latency import _LogCounter, machine
 
 __all__ = [

@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 
 from _dynamo_local import Deployment
+from _stats import percentile, percentiles
 from _subprocesses import Process, free_port
 from _verdict import Target, fmt_ms, judge_machine
 
@@ -99,19 +100,8 @@ class WorkerRun:
         }
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _summary(values: list[float]) -> dict[str, Any]:
-    return {
-        "n": len(values),
-        **{f"p{int(q * 100)}": _percentile(values, q) for q in (0.5, 0.9, 0.99)},
-        "max": max(values, default=None),
-    }
+    return {"n": len(values), **percentiles(values), "p90": percentile(values, 0.9)}
 
 
 class Probe:
@@ -271,8 +261,8 @@ def start_workers(deployment: Deployment) -> list[tuple[str, str, Process, int]]
 
 def targets(runs: dict[str, WorkerRun]) -> list[Target]:
     ours, floor = runs["trio-sglang (guest)"], runs["plain asyncio"]
-    seq = _percentile(ours.sequential_ms, 0.99)
-    ours_burst, floor_burst = _percentile(ours.burst_ms, 0.99), _percentile(floor.burst_ms, 0.99)
+    seq = percentile(ours.sequential_ms, 0.99)
+    ours_burst, floor_burst = percentile(ours.burst_ms, 0.99), percentile(floor.burst_ms, 0.99)
     burst_ratio = ours_burst / floor_burst if ours_burst and floor_burst else None
     cpu_ratio = (
         ours.cpu_us_per_token / floor.cpu_us_per_token
@@ -322,7 +312,7 @@ def table(runs: dict[str, WorkerRun]) -> str:
         rows.append(
             f"| {run.name} | {fmt_ms(seq['p50'])} / {fmt_ms(seq['p99'])} / {fmt_ms(seq['max'])} "
             f"| {fmt_ms(bur['p50'])} / {fmt_ms(bur['p99'])} / {fmt_ms(bur['max'])} | {cpu} "
-            f"| {run.lost} / {run.leaked} | {fmt_ms(_percentile(run.probe_ms, 0.5))} |"
+            f"| {run.lost} / {run.leaked} | {fmt_ms(percentile(run.probe_ms, 0.5))} |"
         )
     return "\n".join([head, *rows])
 

@@ -21,8 +21,8 @@ import time
 import trio
 
 import trio_sglang as ts
-from trio_sglang.harness._host import _slow_tokenizer
-from trio_sglang.harness._scenarios import CancelPhase, RidRecorder, Scenario, run_scenario
+from trio_sglang_harness._host import _slow_tokenizer
+from trio_sglang_harness._scenarios import CancelPhase, RidRecorder, Scenario, run_scenario
 
 PHASES: list[CancelPhase | None] = [
     None,

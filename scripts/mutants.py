@@ -51,6 +51,7 @@ QUICK = (
     "trio_sglang._cleanup.xǁEngineCleanupǁ[!_]*",
     "trio_sglang._cleanup.xǁEngineCleanupǁ_[!_]*",
     "trio_sglang._cleanup_group.*",
+    "trio_sglang._drain.*",
 )
 EQUIVALENTS = Path("docs/mutants.md")
 #: Decorators that wrap a function and nothing else (see the module's docstring).

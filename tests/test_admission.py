@@ -404,7 +404,7 @@ async def test_the_servers_context_length_overrides_the_engines(
     start_server: StartServer,
 ) -> None:
     server = await start_server(limits=ServerLimits(context_length=50))
-    assert server.engine.features()["context_length"] == 32768
+    assert server.engine.features().context_length == 32768
     with trio.fail_after(10):
         response = await server.client.post(
             "/v1/completions", json={**COMPLETION, "max_tokens": 50}

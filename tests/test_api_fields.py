@@ -3,7 +3,7 @@
 A server on loopback, on a SimEngine that remembers every request the worker
 sent it; the clients are the openai SDK (SGLang's fields in ``extra_body``, as
 a benchmarking client sends ``min_tokens``) and httpx. What each route does
-with SGLang 0.5.23's fields (``server/_openai_fields.py``, ``_fields.py``):
+with SGLang 0.5.23's fields (``_protocol/_openai_fields.py``, ``_fields.py``):
 
 - a field SGLang maps reaches the engine under SGLang's name (``min_tokens``
   as ``min_new_tokens``, ``response_format`` as a ``json_schema``);
@@ -14,6 +14,7 @@ with SGLang 0.5.23's fields (``server/_openai_fields.py``, ``_fields.py``):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,8 +29,9 @@ import trio
 import trio_sglang as ts
 from test_server import sse_payloads
 from trio_sglang._cli import build_parser
-from trio_sglang.server import _openai_fields, serve
-from trio_sglang.server._openai_fields import Route
+from trio_sglang._protocol import _openai_fields
+from trio_sglang._protocol._openai_fields import Route
+from trio_sglang.server import serve
 
 MODEL = "trio-sglang-sim"
 FAST = {"first_token_delay": 0.001, "token_interval": 0.001}
@@ -475,8 +477,8 @@ PASSED_VALUES: dict[str, Any] = {
 class EveryFieldEngine(SpyEngine):
     """Lists no honoured fields, so it is passed every one, as SGLangEngine is."""
 
-    def features(self) -> Mapping[str, object]:
-        return {k: v for k, v in super().features().items() if k != "honoured_fields"}
+    def features(self) -> ts.EngineFeatures:
+        return dataclasses.replace(super().features(), honoured_fields=None)
 
 
 def asking(off: tuple[object, ...]) -> object:

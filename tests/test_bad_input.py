@@ -10,6 +10,7 @@ SGLang accepts, and a worker that has shut down refuses new streams with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import types
@@ -393,8 +394,8 @@ async def test_an_engine_that_lists_no_honoured_fields_is_passed_every_field(
     """``honoured_fields`` absent: the engine honours every field (as SGLangEngine does)."""
 
     class EveryField(ts.SimEngine):
-        def features(self) -> Mapping[str, object]:
-            return {k: v for k, v in super().features().items() if k != "honoured_fields"}
+        def features(self) -> ts.EngineFeatures:
+            return dataclasses.replace(super().features(), honoured_fields=None)
 
     engine = EveryField()
     request = {**HELLO, "lora_path": "adapter", "sampling_params": {"max_new_tokens": 2}}

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from _benchmarks import benchmark_fixture
 
@@ -154,7 +155,7 @@ def test_quiet_machine_judges_every_target(report: Any, monkeypatch: pytest.Monk
 
     quiet = _verdict.judge_machine(0.3, 1.1, 2, own_load=0.8, worst_stall_ms=1.0)
     assert quiet.quiet  # others' load: max(0.3, 1.1 - 0.8) = 0.3 <= 0.5 x 2
-    judged = _verdict.targets(report, quiet)
+    judged = _report.targets(report, quiet)
     assert all(not target.not_judged for target in judged)
     assert {target.verdict for target in judged} <= {"met", "MISSED", "not run"}
     measured_on(report, monkeypatch, (0.3, 1.1), own=0.8, stall=1.0)
@@ -185,8 +186,8 @@ def test_busy_machine_judges_only_counts(
 
     busy = _verdict.judge_machine(before, after, 2, own_load=own, worst_stall_ms=stall)
     assert not busy.quiet
-    judged = _verdict.targets(report, busy)
-    raw = _verdict.targets(report)
+    judged = _report.targets(report, busy)
+    raw = _report.targets(report)
     for target, unjudged in zip(judged, raw, strict=True):
         if target.kind == "count":
             assert target == unjudged  # counts are judged on any machine
@@ -203,6 +204,121 @@ def test_busy_machine_judges_only_counts(
         if any(what in line for what in ("stream close p99", "tokens/s", "shutdown with")):
             assert "met" not in line
             assert "MISSED" not in line
+
+
+# -- the shutdown target: the grace plus twice bare trio, measured in the same run ----
+
+
+def test_shutdown_measures_its_floor_with_as_many_tasks(report: Any) -> None:
+    shutdown = json.loads(json.dumps(report.to_json({"python": "test"})))["shutdown"]
+    assert shutdown["pending_cleanups"] == 20
+    # Each pending request holds at least one task (two on an engine without release on close).
+    assert shutdown["pending_tasks"] >= shutdown["pending_cleanups"]
+    assert shutdown["shutdown_ms"] >= 1e3 * shutdown["grace_s"]
+    assert shutdown["over_grace_ms"] == pytest.approx(
+        shutdown["shutdown_ms"] - 1e3 * shutdown["grace_s"]
+    )
+    assert 0 <= shutdown["gc_ms"] <= shutdown["shutdown_ms"]
+    assert shutdown["trio_floor_ms"] > 0  # the floor ran beside the shutdown
+    assert 0 <= shutdown["trio_floor_gc_ms"] <= shutdown["trio_floor_ms"]
+
+
+def test_shutdown_floor_cancels_every_parked_task(bench: ModuleType) -> None:
+    import _shutdown
+    import _trio_floor
+
+    async def main() -> tuple[int, float, float]:
+        idle = _shutdown.live_tasks()
+        async with trio.open_nursery() as nursery:
+            for _ in range(30):
+                nursery.start_soon(trio.sleep_forever)
+            await trio.testing.wait_all_tasks_blocked()
+            parked = _shutdown.live_tasks() - idle
+            nursery.cancel_scope.cancel()
+        empty, _ = await _trio_floor.bare_trio_shutdown(0)
+        floor, floor_gc = await _trio_floor.bare_trio_shutdown(50)
+        assert 0 <= floor_gc <= floor
+        assert _shutdown.live_tasks() == idle  # the floor left no task behind
+        return parked, empty, floor
+
+    parked, empty, floor = trio.run(main)
+    assert parked == 30
+    assert empty >= 0
+    assert floor > 0
+
+
+def test_shutdown_times_the_collector_only_inside_its_block(bench: ModuleType) -> None:
+    import gc
+
+    import _trio_floor
+
+    with _trio_floor.collector_ms() as spent:
+        gc.collect()
+    gc.collect()
+    assert len(spent) == 1
+    assert spent[0] >= 0
+
+
+SHUTDOWN = {
+    "pending_cleanups": 1000,
+    "pending_tasks": 2000,
+    "grace_s": 0.25,
+    "shutdown_ms": 330.0,
+    "over_grace_ms": 80.0,
+    "gc_ms": 3.0,
+    "trio_floor_ms": 40.0,
+    "trio_floor_gc_ms": 1.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "met"),
+    [
+        ({}, True),  # 80 ms over the grace against 2 x 40 ms: met, just
+        ({"over_grace_ms": 80.5, "shutdown_ms": 330.5}, False),
+        ({"trio_floor_ms": 39.0}, False),
+        ({"pending_cleanups": 999}, False),  # the target is for 1,000 pending aborts
+    ],
+)
+def test_shutdown_target_is_the_grace_plus_twice_bare_trio(
+    bench: ModuleType, changes: dict[str, Any], met: bool
+) -> None:
+    import _report
+
+    target = _report._shutdown({**SHUTDOWN, **changes})
+    assert target.kind == "time"
+    assert target.target == "<= grace + 2x bare trio"
+    assert target.met is met
+    assert _report._shutdown(None).measured == "not run"
+
+
+def test_shutdown_figures_in_the_report(
+    bench: ModuleType, report: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import _report
+    import _verdict
+
+    monkeypatch.setattr(report, "shutdown", dict(SHUTDOWN))
+    (target,) = [t for t in _report.targets(report) if t.what.startswith("shutdown")]
+    assert target.measured == (
+        "grace 250 ms + 80 ms; bare trio 40.00 ms (2.0x; 1,000 pending, 2,000 tasks)"
+    )
+    text = _report.format_report(report)
+    assert "(target <= grace + 2x bare trio)" in text
+    summary = " ".join(text.split())  # the summary line, unwrapped
+    assert (
+        "shutdown: 330 ms with 1,000 pending cleanups (grace 250 ms, 80 ms over it, 3 ms of the "
+        "whole in garbage collection); bare trio cancelling 2,000 parked tasks right after: "
+        "40.00 ms (1 ms of it in garbage collection)"
+    ) in summary
+    busy = _verdict.judge_machine(2.0, 2.0, 2, own_load=0.0, worst_stall_ms=0.0)
+    (unjudged,) = [t for t in _report.targets(report, busy) if t.what.startswith("shutdown")]
+    assert unjudged.met is None  # a time target: judged only on a quiet machine
+    assert unjudged.verdict.startswith("not judged: machine busy")
+    # The widest figures a full run could give still fit the terminal's 100 columns.
+    widest = {"over_grace_ms": 12345.0, "trio_floor_ms": 1234.0, "pending_tasks": 20_000}
+    monkeypatch.setattr(report, "shutdown", {**SHUTDOWN, **widest, "pending_cleanups": 10_000})
+    assert max(len(line) for line in _report.format_report(report).splitlines()) <= 100
 
 
 # -- every run writes its own folder and prints the paths ---------------------------

@@ -19,9 +19,9 @@ import pytest
 import trio
 
 import trio_sglang as ts
-from trio_sglang.harness._scenarios import RidRecorder
 from trio_sglang.server import serve
 from trio_sglang.testing import Faults, FaultyEngine
+from trio_sglang_harness._scenarios import RidRecorder
 
 MODEL = "templated"
 FAST = {"first_token_delay": 0.001, "token_interval": 0.001}

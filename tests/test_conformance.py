@@ -3,7 +3,7 @@
 The real side is the installed SGLang's TokenizerManager (0.5.23 in ``nox -s
 sglang``, each release of ``nox -s sglang-matrix`` there) in its own process, driven
 by ``SGLangEngine`` through trio-asyncio, against the stand-in scheduler
-(``trio_sglang.harness``). Both sides must agree on what the scheduler
+(``trio_sglang_harness``). Both sides must agree on what the scheduler
 received and did, per request and in order; on what stayed registered; and
 on what the caller saw. Runs in ``nox -s sglang`` (marker ``sglang``), which
 installs SGLang's CPU-importable parts; real time, not MockClock.
@@ -26,7 +26,7 @@ from trio.testing import MockClock
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 
 from trio_sglang import OutputMode, SimDisaggTiming
-from trio_sglang.harness import (
+from trio_sglang_harness import (
     CancelPhase,
     DisaggSetup,
     Observation,

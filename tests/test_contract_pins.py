@@ -76,8 +76,8 @@ class SlowAbortEngine:
         self.applies_at: float | None = None
         self.phase_changed = trio.Event()
 
-    def features(self) -> Mapping[str, object]:
-        return {"release_on_close": True, "abort_sent_flag": self.abort_sent_flag}
+    def features(self) -> ts.EngineFeatures:
+        return ts.EngineFeatures(release_on_close=True, abort_sent_flag=self.abort_sent_flag)
 
     def phase(self, rid: str) -> RequestPhase:
         if rid != "rid-1" or (

@@ -13,11 +13,13 @@ import ast
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import trio_sglang
+from _benchmarks import BENCHMARKS
 from trio_sglang._engines import EngineOptions, open_engine
 from trio_sglang.server import ServerMetrics
 from trio_sglang.server._metrics import CountsEvents
@@ -77,9 +79,45 @@ def test_the_package_imports_without_trio_asyncio() -> None:
     assert "pip install 'trio-sglang[sglang]'" in result.stdout
 
 
-def _imported(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in it, as absolute names."""
-    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+def test_the_package_root_loads_the_simulator_only_when_asked_for_it() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+
+        import trio_sglang
+
+        print("trio_sglang.sim" in sys.modules)
+        print(trio_sglang.SimEngine.__module__, "SimEngine" in dir(trio_sglang))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "trio_sglang.sim._engine", "True"]
+    with pytest.raises(AttributeError, match="has no attribute 'Simengine'"):
+        trio_sglang.Simengine  # noqa: B018
+
+
+def test_the_wheel_holds_the_product_and_not_the_harness(tmp_path: Path) -> None:
+    """The GPU-free SGLang harness is development support: the tests and benchmarks import it."""
+    root = PACKAGE.parent.parent
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "-q", "-w", str(tmp_path)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("trio_sglang-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        packages = {name.split("/")[0] for name in archive.namelist()}
+        assert "trio_sglang/sim/_engine.py" in archive.namelist()
+        assert not [name for name in archive.namelist() if "harness" in name]
+    assert {name for name in packages if not name.endswith(".dist-info")} == {"trio_sglang"}
+
+
+def _imported(path: Path, root: Path = PACKAGE.parent) -> set[str]:
+    """Every module ``path`` imports, anywhere in it, named as from ``root`` on sys.path."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -109,15 +147,28 @@ def test_the_lifecycle_and_the_server_never_import_the_simulator(path: Path) -> 
     assert sim == [], f"{path.name} imports the simulator: {sim}"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_the_package_has_no_import_cycle() -> None:
-    """No module of the package imports itself back, lazily or for type checking either."""
-    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
-    graph = {name: sorted(_imported(path) & modules.keys()) for name, path in modules.items()}
+@pytest.mark.parametrize(
+    ("folder", "root"),
+    [(PACKAGE, PACKAGE.parent), (BENCHMARKS, BENCHMARKS)],
+    ids=["package", "benchmarks"],
+)
+def test_there_is_no_import_cycle(folder: Path, root: Path) -> None:
+    """No module imports itself back, lazily or for type checking either.
+
+    ``root`` is the folder on sys.path: the benchmarks run as scripts with their
+    own folder there, so they import each other by bare name (``import _report``).
+    A package's ``from . import sim`` names the package, not a way back to it.
+    """
+    modules = {_module_name(path, root): path for path in folder.rglob("*.py")}
+    graph = {
+        name: sorted(_imported(path, root) & modules.keys() - {name})
+        for name, path in modules.items()
+    }
     done: set[str] = set()
 
     def visit(name: str, trail: list[str]) -> None:

@@ -25,7 +25,7 @@ pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-e
 import psutil  # one of SGLang's requirements
 
 from _processes import Process, start_workers
-from trio_sglang.harness import build_tiny_model
+from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
 

@@ -22,7 +22,7 @@ from _readme import ROOT
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
-from trio_sglang.harness import build_tiny_model
+from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
 

@@ -26,11 +26,11 @@ with warnings.catch_warnings():
     from sglang.srt.sampling import sampling_params  # noqa: F401
     from sglang.version import __version__
 
-from trio_sglang import InvalidRequest, SGLangEngine, UnsupportedSGLang
+from trio_sglang import EngineFeatures, InvalidRequest, SGLangEngine, UnsupportedSGLang
 from trio_sglang._fields import check_honoured
 from trio_sglang._sglang_fields_taken import fields_taken
 from trio_sglang._sglang_semantics import MINIMUM_RELEASE, detect_semantics, require_supported
-from trio_sglang.harness import Scenario, open_sglang_harness
+from trio_sglang_harness import Scenario, open_sglang_harness
 
 pytestmark = pytest.mark.sglang
 
@@ -150,7 +150,7 @@ def test_a_field_the_release_lacks_is_refused_by_name_before_the_engine() -> Non
     fields = fields_taken()
     if fields is None:
         pytest.skip(f"SGLang {__version__} takes every field trio-sglang passes")
-    features = {"kind": "sglang", "sglang_version": __version__, "honoured_fields": fields}
+    features = EngineFeatures(kind="sglang", sglang_version=__version__, honoured_fields=fields)
     missing = sorted(set(EVERY_FIELD_REQUEST) - fields - {"text", "sampling_params"})
     for field in missing:
         with pytest.raises(InvalidRequest, match=rf"'{field}' is not supported .*{__version__}"):

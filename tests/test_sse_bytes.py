@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from trio_sglang.server._json import Template, dumps
-from trio_sglang.server._native import NativePlan
-from trio_sglang.server._openai import ChatPlan, CompletionPlan, OpenAIPlan
+from trio_sglang._protocol._json import Template, dumps
+from trio_sglang._protocol._native import NativePlan
+from trio_sglang._protocol._openai import ChatPlan, CompletionPlan, OpenAIPlan
 
 VALUES: list[object] = [
     "plain",

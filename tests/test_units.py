@@ -22,6 +22,7 @@ import trio.testing
 
 import trio_sglang as ts
 from trio_sglang._capabilities import SCHEMA_VERSION, build_capabilities
+from trio_sglang._drain import Drain
 from trio_sglang._ids import RID_LENGTH, mint_rid
 from trio_sglang._outputs import PublicIds, format_chunk
 
@@ -283,8 +284,12 @@ def without(key: str) -> dict[str, object]:
     return {k: v for k, v in FULL_FEATURES.items() if k != key}
 
 
+def capabilities(features: dict[str, Any]) -> dict[str, Any]:
+    return build_capabilities(ts.EngineFeatures(**features))
+
+
 def test_capabilities_shape() -> None:
-    caps = build_capabilities(FULL_FEATURES)
+    caps = capabilities(FULL_FEATURES)
     assert caps["schema_version"] == SCHEMA_VERSION == 1
     assert caps["package"] == {"name": "trio-sglang", "version": ts.__version__}
     assert caps["engine"] == {
@@ -299,7 +304,7 @@ def test_capabilities_shape() -> None:
 
 @pytest.mark.parametrize("features", [FULL_FEATURES, {}], ids=["full", "empty"])
 def test_capability_feature_keys_are_versioned_bools(features: dict[str, object]) -> None:
-    caps_features = build_capabilities(features)["features"]
+    caps_features = capabilities(features)["features"]
     assert set(caps_features) >= {*LIFECYCLE_FEATURES, *ENGINE_FEATURES}
     for key, value in caps_features.items():
         assert re.fullmatch(r"[a-z0-9_]+_v[1-9][0-9]*", key), key
@@ -307,7 +312,7 @@ def test_capability_feature_keys_are_versioned_bools(features: dict[str, object]
 
 
 def test_capabilities_with_every_engine_feature() -> None:
-    caps_features = build_capabilities(FULL_FEATURES)["features"]
+    caps_features = capabilities(FULL_FEATURES)["features"]
     assert all(caps_features[key] for key in (*LIFECYCLE_FEATURES, *ENGINE_FEATURES))
 
 
@@ -319,28 +324,45 @@ def test_capabilities_with_every_engine_feature() -> None:
         pytest.param(without("dispatch_timestamp"), False, False, id="no-dispatch-timestamp"),
         pytest.param(without("release_on_close"), True, False, id="no-release-on-close"),
         pytest.param({**FULL_FEATURES, "request_registry": False}, False, False, id="false"),
-        pytest.param({**FULL_FEATURES, "dispatch_timestamp": 1}, False, False, id="truthy-int"),
-        pytest.param({**FULL_FEATURES, "release_on_close": "yes"}, True, False, id="truthy-str"),
     ],
 )
 def test_engine_derived_features(
     features: dict[str, object], ordered_abort: bool, cancel_before_first_output: bool
 ) -> None:
-    caps_features = build_capabilities(features)["features"]
+    caps_features = capabilities(features)["features"]
     assert caps_features["ordered_abort_v1"] is ordered_abort
     assert caps_features["cancel_before_first_output_v1"] is cancel_before_first_output
     # What the lifecycle guarantees by itself does not depend on the engine.
     assert all(caps_features[key] is True for key in LIFECYCLE_FEATURES)
 
 
-@pytest.mark.parametrize("version", [None, 523, b"0.5.23", ["0.5.23"]], ids=repr)
-def test_sglang_version_is_none_unless_a_str(version: object) -> None:
-    caps = build_capabilities({**FULL_FEATURES, "sglang_version": version})
-    assert caps["engine"]["sglang_version"] is None
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("dispatch_timestamp", 1),
+        ("release_on_close", "yes"),
+        ("sglang_version", 523),
+        ("sglang_version", b"0.5.23"),
+        ("sglang_version", ["0.5.23"]),
+    ],
+    ids=repr,
+)
+def test_a_feature_claimed_by_a_truthy_stand_in_is_refused_by_name(
+    name: str, value: object
+) -> None:
+    """Only ``True`` claims a feature: a stand-in never turns on an abort path, it is an error."""
+    with pytest.raises(TypeError, match=rf"EngineFeatures: {name} must be"):
+        ts.EngineFeatures(**{**FULL_FEATURES, name: value})
+
+
+def test_a_disaggregation_mode_other_than_prefill_or_decode_is_refused() -> None:
+    """SGLang's own ``"null"`` (aggregated) is the adapter's to turn into ``None``."""
+    with pytest.raises(ValueError, match="must be None, 'prefill' or 'decode', not 'null'"):
+        ts.EngineFeatures(**{**FULL_FEATURES, "disaggregation_mode": "null"})
 
 
 def test_engine_kind_defaults_to_unknown() -> None:
-    assert build_capabilities({})["engine"] == {
+    assert capabilities({})["engine"] == {
         "kind": "unknown",
         "sglang_version": None,
         "disaggregation_mode": None,
@@ -366,13 +388,12 @@ def test_engine_kind_defaults_to_unknown() -> None:
             False,
             id="prefill-without-registry",
         ),
-        pytest.param({**FULL_FEATURES, "disaggregation_mode": "null"}, "aggregated", False),
     ],
 )
 def test_prefill_cancel_anytime_is_advertised_only_by_a_prefill_worker_that_has_it(
     features: dict[str, object], role: str, cancel_anytime: bool
 ) -> None:
-    caps = build_capabilities(features)
+    caps = capabilities(features)
     assert caps["role"] == role
     assert caps["features"]["disagg_prefill_cancel_anytime_v1"] is cancel_anytime
 
@@ -393,6 +414,110 @@ async def test_worker_capabilities_on_sim_engine(autojump_clock: trio.testing.Mo
     assert caps["package"]["version"] == ts.__version__
     assert all(caps["features"][key] for key in (*LIFECYCLE_FEATURES, *ENGINE_FEATURES))
     assert list(engine.trace) == []
+
+
+# -- Worker.prepare: one check, then generate as prepared ---------------------------------
+
+HELLO_TWO: dict[str, Any] = {"text": "hello there", "sampling_params": {"max_new_tokens": 2}}
+
+
+async def test_a_prepared_request_runs_as_it_was_prepared(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with ts.open_worker(ts.SimEngine()) as worker:
+        prepared = worker.prepare(HELLO_TWO)
+        assert prepared.parsed.output == "text"
+        assert (prepared.parsed.n, prepared.parsed.children, prepared.prefill_leg) == (1, 1, False)
+        async with worker.generate(prepared, ts.RequestContext("pub")) as chunks:
+            ids = [chunk["id"] async for chunk in chunks]
+    assert ids == ["pub", "pub"]
+
+
+async def test_a_prepared_request_is_refused_to_another_worker_and_another_output(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = ts.SimEngine()
+    async with ts.open_worker(engine) as worker, ts.open_worker(ts.SimEngine()) as other:
+        prepared = worker.prepare(HELLO_TWO, "tokens")
+        with pytest.raises(ts.InvalidRequest, match=r"^this request was prepared by another"):
+            async with other.generate(prepared, ts.RequestContext("pub"), output="tokens"):
+                pytest.fail("generated")
+        with pytest.raises(ts.InvalidRequest, match=r"for output 'tokens', not 'text'$"):
+            async with worker.generate(prepared, ts.RequestContext("pub")):
+                pytest.fail("generated")
+    assert list(engine.trace) == []
+
+
+async def test_prepare_names_a_field_the_engine_does_not_honour_in_the_callers_words(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    request = {**HELLO_TWO, "return_logprob": True}
+    async with ts.open_worker(ts.SimEngine()) as worker:
+        with pytest.raises(ts.InvalidRequest, match=r"^'logprobs' is not supported") as named:
+            worker.prepare(request, names={"return_logprob": "logprobs"})
+        with pytest.raises(
+            ts.InvalidRequest, match=r"^'return_logprob' is not supported"
+        ) as native:
+            worker.prepare(request)
+    assert named.value.param == "logprobs"
+    assert native.value.param == "return_logprob"
+
+
+# -- Drain: the open set a shutdown waits for ---------------------------------------------
+
+
+async def test_a_drain_waits_until_its_last_item_goes_or_the_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    drain: Drain[str] = Drain()
+    assert (drain.closed, drain.hurried, len(drain)) == (False, False, 0)
+    for item in "abc":
+        drain.add(item)
+    drain.close()
+    assert drain.closed is True
+    assert list(drain) == ["a", "b", "c"]  # oldest first
+
+    async def leave(item: str, at: float) -> None:
+        await trio.sleep_until(at)
+        drain.discard(item)
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for at, item in enumerate("ab", start=1):
+            nursery.start_soon(leave, item, start + at)
+        assert await drain.wait(start + 5) is False  # "c" never leaves
+    assert trio.current_time() == start + 5
+    assert list(drain) == ["c"]
+    nursery_done = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(leave, "c", nursery_done + 1)
+        assert await drain.wait(math.inf) is True
+    assert trio.current_time() == nursery_done + 1
+    assert await drain.wait(math.inf) is True  # empty: at once
+
+
+async def test_a_hurried_drain_stops_waiting_now_or_as_its_wait_begins(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    drain: Drain[int] = Drain()
+    drain.add(1)
+    drain.hurry()
+    assert drain.hurried is True
+    start = trio.current_time()
+    assert await drain.wait(math.inf) is False
+    assert trio.current_time() == start
+
+    later: Drain[int] = Drain()
+    later.add(1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hurry_at, later, start + 2)
+        assert await later.wait(start + 10) is False
+    assert trio.current_time() == start + 2
+
+
+async def _hurry_at(drain: Drain[int], at: float) -> None:
+    await trio.sleep_until(at)
+    drain.hurry()
 
 
 # -- SGLangEngine arguments (the engine itself is covered by tests/test_conformance.py) --

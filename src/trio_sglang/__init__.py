@@ -1,32 +1,56 @@
 """trio-sglang: cancel SGLang generation requests correctly and fast, with trio.
 
-The public API lives here; the ``_modules`` behind it are private.
+The public API lives here; the ``_modules`` behind it are private. The
+simulator's names are imported only when first asked for: a worker in front of
+the real SGLang never loads the SimEngine.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ._context import RequestContext
 from ._disagg import PrefillFailed, PrefillPeer, Role
-from ._engine import ChatTemplating, Engine, EngineStream, RequestPhase
+from ._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import EngineFault
 from ._in_process_prefill import InProcessPrefill
+from ._kv_rooms import BootstrapAddr, KVRooms, RoomEvent
 from ._observer import WorkerObserver
 from ._policy import AbortPolicy
 from ._request import OutputMode
 from ._sglang_engine import SGLangEngine
 from ._sglang_semantics import UnsupportedSGLang
 from ._version import __version__
-from ._worker import ResponseStream, Worker, open_worker
-from .sim import (
-    BootstrapAddr,
-    DisaggregationMode,
-    KVRooms,
-    RoomEvent,
-    SimDisaggTiming,
-    SimEngine,
-    SimKVRooms,
-    TraceEvent,
-    TraceKind,
+from ._worker import PreparedRequest, ResponseStream, Worker, open_worker
+
+if TYPE_CHECKING:
+    from .sim import (
+        DisaggregationMode,
+        SimDisaggTiming,
+        SimEngine,
+        SimKVRooms,
+        TraceEvent,
+        TraceKind,
+    )
+
+#: The names ``trio_sglang.sim`` defines, imported from it on first use.
+_FROM_SIM = frozenset(
+    {"DisaggregationMode", "SimDisaggTiming", "SimEngine", "SimKVRooms", "TraceEvent", "TraceKind"}
 )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_SIM:
+        from . import sim
+
+        value = getattr(sim, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_FROM_SIM})
+
 
 __all__ = [
     "AbortPolicy",
@@ -36,6 +60,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineFault",
+    "EngineFeatures",
     "EngineShutdown",
     "EngineStream",
     "InProcessPrefill",
@@ -44,6 +69,7 @@ __all__ = [
     "OutputMode",
     "PrefillFailed",
     "PrefillPeer",
+    "PreparedRequest",
     "RequestContext",
     "RequestPhase",
     "ResponseStream",

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from ._disagg import role_of
+from ._engine import EngineFeatures
 from ._version import __version__
 
 __all__ = ["SCHEMA_VERSION", "build_capabilities"]
@@ -14,7 +13,7 @@ __all__ = ["SCHEMA_VERSION", "build_capabilities"]
 SCHEMA_VERSION = 1
 
 
-def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
+def build_capabilities(features: EngineFeatures) -> dict[str, Any]:
     """Capabilities as plain JSON-able data.
 
     Feature keys carry a ``_vN`` suffix: a consumer that knows ``x_v1`` can
@@ -22,23 +21,21 @@ def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
     depend on the engine are true only when the engine reported the runtime
     feature they rest on.
     """
-    registry = features.get("request_registry") is True
-    dispatch = features.get("dispatch_timestamp") is True
-    release = features.get("release_on_close") is True
-    version = features.get("sglang_version")
-    mode = features.get("disaggregation_mode")
-    semantics = features.get("sglang_semantics")
-    role = role_of(features)
+    registry = features.request_registry
+    dispatch = features.dispatch_timestamp
+    release = features.release_on_close
+    semantics = features.sglang_semantics
+    role = features.role
     return {
         "schema_version": SCHEMA_VERSION,
         "package": {"name": "trio-sglang", "version": __version__},
         "engine": {
-            "kind": str(features.get("kind", "unknown")),
-            "sglang_version": version if isinstance(version, str) else None,
-            "disaggregation_mode": mode if isinstance(mode, str) else None,
+            "kind": features.kind,
+            "sglang_version": features.sglang_version,
+            "disaggregation_mode": features.disaggregation_mode,
             # How this SGLang build registers, dispatches and releases requests,
             # as detected at start (None for an engine that is not SGLang).
-            "sglang_semantics": dict(semantics) if isinstance(semantics, Mapping) else None,
+            "sglang_semantics": None if semantics is None else dict(semantics),
         },
         # aggregated, prefill or decode (prefill/decode disaggregation).
         "role": role,
@@ -58,7 +55,7 @@ def build_capabilities(features: Mapping[str, object]) -> dict[str, Any]:
             # the caller never saw (see "cancellation" for how).
             "parallel_sampling_cancel_v1": True,
             "native_batch_cancel_v1": True,
-            "batch_parallel_sampling_v1": features.get("batch_parallel_sampling") is True,
+            "batch_parallel_sampling_v1": features.batch_parallel_sampling,
             # A prefill worker stops a cancelled prefill in any queue
             # (bootstrap, waiting, prefilling, transferring): it has the
             # ordered abort, which needs the registry and the dispatch mark.

@@ -110,9 +110,7 @@ class EngineCleanup:
         features = engine.features()
         # The engine's release path aborts what was dispatched, and the engine
         # honours one abort per request: after it, another abort is dropped.
-        self._release_aborts_once = (
-            features.get("release_on_close") is True and features.get("abort_sent_flag") is True
-        )
+        self._release_aborts_once = features.release_on_close and features.abort_sent_flag
 
     # -- one request's cleanup, from the caller leaving to the last task ------
 

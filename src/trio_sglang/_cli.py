@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ._cli_fields import FieldOptions, positive_int, seconds
 from ._demo import run_demo
 from ._disagg import PrefillFailed
 from ._engines import EngineOptions, open_engine
@@ -38,24 +39,10 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _port(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
 
 
@@ -86,12 +73,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=12,
         help="tokens each of the three requests asks for",
     )
     demo.add_argument(
-        "--token-interval", type=_seconds, default=0.02, help="seconds between two tokens"
+        "--token-interval", type=seconds, default=0.02, help="seconds between two tokens"
     )
 
     serve = commands.add_parser(
@@ -103,12 +90,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=int, default=8000, help="port to listen on; 0 picks a free one"
     )
-    serve.add_argument(
-        "--engine",
-        choices=["sim", "sglang"],
-        default="sim",
-        help=_ENGINE_HELP,
-    )
+    _add_engine_option(serve)
     serve.add_argument(
         "--model-path",
         help="model directory or id (default: none; --engine sglang needs one)",
@@ -165,16 +147,19 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="how fast any serving endpoint lets go of clients that leave, from its own metrics",
         formatter_class=_HelpFormatter,
     )
-    add_bench_endpoint_options(bench, count=_positive_int, seconds=_seconds)
+    add_bench_endpoint_options(bench, count=positive_int, seconds=seconds)
     return parser
 
 
-#: ``--engine``'s help, the same on both commands that take it.
-_ENGINE_HELP = (
-    "sim: the embedded SimEngine, no GPU; sglang: SGLang's own engine in this process (the "
-    "sglang extra), on a GPU or, with --device cpu, on this CPU; it takes SGLang's server "
-    "arguments, listed below where SGLang is installed"
-)
+def _add_engine_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--engine",
+        choices=["sim", "sglang"],
+        default="sim",
+        help="sim: the embedded SimEngine, no GPU; sglang: SGLang's own engine in this process "
+        "(the sglang extra), on a GPU or, with --device cpu, on this CPU; it takes SGLang's "
+        "server arguments, listed below where SGLang is installed",
+    )
 
 
 def _add_sglang_group(command: argparse.ArgumentParser, argv: Sequence[str]) -> None:
@@ -204,12 +189,7 @@ def _add_dynamo_worker(
     worker.add_argument("--namespace", default="dynamo", help="the endpoint's Dynamo namespace")
     worker.add_argument("--component", default="backend", help="the endpoint's component")
     worker.add_argument("--endpoint", default="generate", help="the endpoint's name")
-    worker.add_argument(
-        "--engine",
-        choices=["sim", "sglang"],
-        default="sim",
-        help=_ENGINE_HELP,
-    )
+    _add_engine_option(worker)
     worker.add_argument(
         "--model-input",
         choices=["tokens", "text"],
@@ -250,116 +230,61 @@ def _add_dynamo_worker(
     return worker
 
 
+#: ``serve``'s bounds. ``--api-key`` is written out: its default is the environment's.
+_LIMITS = FieldOptions(
+    ServerLimits,
+    kept=("api_key",),
+    metavars=dict.fromkeys(("allowed_hosts", "allowed_bootstrap_hosts"), "HOST"),
+)
+#: The shutdown's bounds; the others bound one request's cleanup, for embedders.
+_POLICY = FieldOptions(
+    AbortPolicy,
+    kept=(
+        "close_timeout",
+        "release_timeout",
+        "dispatch_timeout",
+        "abort_attempts",
+        "abort_retry_delay",
+        "abort_timeout",
+        "child_watch_timeout",
+        "cleanup_timeout",
+        "stall_timeout",
+    ),
+)
+#: A disaggregated SimEngine's timing; the prefill side's wait for a handshake
+#: has had no option: it keeps SGLang's 300 s.
+_SIM_DISAGG = FieldOptions(SimDisaggTiming, prefix="sim_", kept=("bootstrap_timeout",))
+
+
 def _add_limits(serve: argparse.ArgumentParser) -> None:
     """What a client can make the server hold, and the shutdown: every bound with its default."""
-    limits = ServerLimits()
-    edge = serve.add_argument_group("connections (seconds, or counts)")
-    edge.add_argument(
-        "--max-connections",
-        type=_positive_int,
-        default=limits.max_connections,
-        help="connections held at once; past it new ones wait in the kernel's queue "
-        "(lowered to fit the file-descriptor limit, which is raised to its hard limit at start)",
+    _LIMITS.add(
+        serve.add_argument_group("connections (seconds, or counts)"),
+        "max_connections",
+        "keep_alive_timeout",
+        "request_read_timeout",
+        "client_stall_timeout",
+        "max_unsent_tokens",
+        "http2",
+        "sse_heartbeat",
+        "max_sse_heartbeats_per_second",
     )
-    edge.add_argument(
-        "--keep-alive-timeout",
-        type=_seconds,
-        default=limits.keep_alive_timeout,
-        help="an idle connection, or one whose request headers have not all arrived, is "
-        "closed after this",
-    )
-    edge.add_argument(
-        "--request-read-timeout",
-        type=_seconds,
-        default=limits.request_read_timeout,
-        help="a request body must arrive within this of its headers, else 408",
-    )
-    edge.add_argument(
-        "--client-stall-timeout",
-        type=_seconds,
-        default=limits.client_stall_timeout,
-        help="a client that takes none of a write (at most 64 KiB) for this long is gone: "
-        "its request stops and its connection is reset",
-    )
-    edge.add_argument(
-        "--max-unsent-tokens",
-        type=_positive_int,
-        default=limits.max_unsent_tokens,
-        help="tokens a streaming response holds for a client that is behind (sent coalesced "
-        "when it catches up); a client further behind is gone",
-    )
-    edge.add_argument(
-        "--http2",
-        action="store_true",
-        help="also speak cleartext HTTP/2 (prior knowledge, h2c), with the stall timeout per "
-        "stream: one whose client grants it no window is reset; off by default, as in "
-        "SGLang's own server",
-    )
-    edge.add_argument(
-        "--sse-heartbeat",
-        type=_seconds,
-        default=limits.sse_heartbeat,
-        help="a streaming response with nothing to send for this long sends an SSE comment "
-        "(about 15 bytes), so that a proxy notices a gone client within it; 0: never",
-    )
-    edge.add_argument(
-        "--max-sse-heartbeats-per-second",
-        type=_positive_int,
-        default=limits.max_sse_heartbeats_per_second,
-        help="SSE heartbeats a second, all streams together: past this many silent streams "
-        "per --sse-heartbeat, each beats every streams / this seconds instead",
-    )
-    admission = serve.add_argument_group("requests (refused before they reach the engine)")
-    admission.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        default=limits.max_body_bytes,
-        help="largest request body taken; a larger one gets 413",
-    )
-    admission.add_argument(
-        "--max-running-requests",
-        type=_positive_int,
-        default=limits.max_running_requests,
-        help="generation requests in flight at once; past it, 503 with Retry-After",
-    )
-    admission.add_argument(
-        "--max-children-per-request",
-        type=_positive_int,
-        default=limits.max_children_per_request,
-        help="prompts times n in one request",
-    )
-    admission.add_argument(
-        "--max-rid-length",
-        type=_positive_int,
-        default=limits.max_rid_length,
-        help="characters in a /generate rid",
-    )
-    admission.add_argument(
-        "--context-length",
-        type=_positive_int,
-        help="prompt plus max_tokens, in tokens (default: the engine's)",
+    _LIMITS.add(
+        serve.add_argument_group("requests (refused before they reach the engine)"),
+        "max_body_bytes",
+        "max_running_requests",
+        "max_children_per_request",
+        "max_rid_length",
+        "context_length",
     )
     access = serve.add_argument_group("access")
     access.add_argument(
         "--api-key",
-        help=f"require 'Authorization: Bearer KEY' on every route but /health and the KV "
-        f"rooms; a decode server sends it to its --prefill-url server too (default: "
-        f"${API_KEY_ENV} if set, else none)",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, a prefill "
+        f"server's KV rooms included; a decode server sends it to its --prefill-url server "
+        f"too (default: ${API_KEY_ENV} if set, else none)",
     )
-    access.add_argument(
-        "--allowed-hosts",
-        nargs="+",
-        metavar="HOST",
-        help="Host headers accepted, as host or host:port (default: any); against DNS "
-        "rebinding when the server is reachable from a browser",
-    )
-    access.add_argument(
-        "--allowed-bootstrap-hosts",
-        nargs="+",
-        metavar="HOST",
-        help="a decode server's prefill bootstrap addresses (host or host:port) that a "
-        "request's bootstrap_host may name, beside --prefill-url's (default: none)",
-    )
+    _LIMITS.add(access, "allowed_hosts", "allowed_bootstrap_hosts")
     _add_shutdown_options(
         serve,
         "at shutdown, open responses end and their connections get 1 s to close (then they "
@@ -372,89 +297,44 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("SimEngine timing (in seconds, but the chunk size in tokens)")
     sim.add_argument(
         "--sim-tokenize-delay",
-        type=_seconds,
+        type=seconds,
         default=0.005,
         help="from a request's arrival to the end of its tokenization",
     )
     sim.add_argument(
         "--sim-dispatch-delay",
-        type=_seconds,
+        type=seconds,
         default=0.001,
         help="from the end of tokenization to the push to the scheduler, per child of a batch",
     )
     sim.add_argument(
         "--sim-first-token-delay",
-        type=_seconds,
+        type=seconds,
         default=0.05,
         help="from the push to the scheduler to the first token: queueing and prefill",
     )
-    sim.add_argument("--sim-token-interval", type=_seconds, default=0.02, help="between two tokens")
-    timing = SimDisaggTiming()
-    sim.add_argument(
-        "--sim-prefill-time-per-token",
-        type=_seconds,
-        default=timing.prefill_time_per_token,
-        help="a disaggregated prefill's compute per prompt token; a prompt word is a token",
-    )
-    sim.add_argument(
-        "--sim-prefill-chunk-tokens",
-        type=_positive_int,
-        default=timing.prefill_chunk_tokens,
-        help="prompt tokens per prefill forward; a cancel takes effect between forwards",
-    )
-    sim.add_argument(
-        "--sim-bootstrap-delay",
-        type=_seconds,
-        default=timing.bootstrap_delay,
-        help="the decode side's handshake with the prefill side",
-    )
-    sim.add_argument(
-        "--sim-kv-transfer-delay",
-        type=_seconds,
-        default=timing.kv_transfer_delay,
-        help="sending the KV cache from the prefill side to the decode side",
-    )
-    sim.add_argument(
-        "--sim-kv-wait-timeout",
-        type=_seconds,
-        default=timing.kv_wait_timeout,
-        help="how long the decode side waits for a KV cache; the default is SGLang's",
+    sim.add_argument("--sim-token-interval", type=seconds, default=0.02, help="between two tokens")
+    _SIM_DISAGG.add(
+        sim,
+        "prefill_time_per_token",
+        "prefill_chunk_tokens",
+        "bootstrap_delay",
+        "kv_transfer_delay",
+        "kv_wait_timeout",
     )
 
 
 def _add_shutdown_options(parser: argparse.ArgumentParser, grace: str) -> None:
-    policy = AbortPolicy()
-    stopping = parser.add_argument_group("shutdown (seconds; a second SIGINT/SIGTERM: at once)")
-    stopping.add_argument(
-        "--shutdown-grace", type=_seconds, default=policy.shutdown_grace, help=grace
-    )
-    stopping.add_argument(
-        "--engine-close-timeout",
-        type=_seconds,
-        default=policy.engine_close_timeout,
-        help="then the engine gets this to close, or is left behind",
+    _POLICY.add(
+        parser.add_argument_group("shutdown (seconds; a second SIGINT/SIGTERM: at once)"),
+        "shutdown_grace",
+        "engine_close_timeout",
+        helps={"shutdown_grace": grace},
     )
 
 
 def _server_limits(args: argparse.Namespace) -> ServerLimits:
-    return ServerLimits(
-        max_connections=args.max_connections,
-        keep_alive_timeout=args.keep_alive_timeout,
-        request_read_timeout=args.request_read_timeout,
-        client_stall_timeout=args.client_stall_timeout,
-        http2=args.http2,
-        max_unsent_tokens=args.max_unsent_tokens,
-        sse_heartbeat=args.sse_heartbeat,
-        max_sse_heartbeats_per_second=args.max_sse_heartbeats_per_second,
-        max_body_bytes=args.max_body_bytes,
-        max_running_requests=args.max_running_requests,
-        max_children_per_request=args.max_children_per_request,
-        max_rid_length=args.max_rid_length,
-        context_length=args.context_length,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        allowed_hosts=tuple(args.allowed_hosts or ()),
-        allowed_bootstrap_hosts=tuple(args.allowed_bootstrap_hosts or ()),
-    )
+    return _LIMITS.build(args, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
 
 
 #: How a shell reports a program that SIGPIPE ended (128 + 13), as ``demo | head`` expects.
@@ -673,9 +553,7 @@ async def _run_server(
             host=args.host,
             port=args.port,
             model=args.served_model_name or _default_model_name(args),
-            policy=AbortPolicy(
-                shutdown_grace=args.shutdown_grace, engine_close_timeout=args.engine_close_timeout
-            ),
+            policy=_POLICY.build(args),
             limits=limits,
             prefill=prefill,
             kv_rooms=hosted,
@@ -696,13 +574,7 @@ def _engine_options(args: argparse.Namespace, *, peer_api_key: str | None = None
             "dispatch_delay": args.sim_dispatch_delay,
             "first_token_delay": args.sim_first_token_delay,
             "token_interval": args.sim_token_interval,
-            "disagg_timing": SimDisaggTiming(
-                prefill_time_per_token=args.sim_prefill_time_per_token,
-                prefill_chunk_tokens=args.sim_prefill_chunk_tokens,
-                bootstrap_delay=args.sim_bootstrap_delay,
-                kv_transfer_delay=args.sim_kv_transfer_delay,
-                kv_wait_timeout=args.sim_kv_wait_timeout,
-            ),
+            "disagg_timing": _SIM_DISAGG.build(args),
         },
         peer_api_key=peer_api_key,
     )

@@ -27,10 +27,11 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import trio
 
+from ._engine import Role
 from ._errors import InvalidRequest
 from ._faults import FaultLog
 from ._request import ParsedRequest
@@ -42,14 +43,12 @@ __all__ = [
     "PrefillLeg",
     "PrefillPeer",
     "Role",
-    "bootstrap_fields",
+    "needs_prefill_leg",
+    "new_bootstrap",
     "peer_cancels_anytime",
-    "role_of",
 ]
 
 logger = logging.getLogger("trio_sglang")
-
-Role = Literal["aggregated", "prefill", "decode"]
 
 #: The capability a prefill worker advertises when a cancel stops it in any queue.
 CANCEL_ANYTIME = "disagg_prefill_cancel_anytime_v1"
@@ -109,24 +108,17 @@ async def peer_cancels_anytime(peer: PrefillPeer) -> bool:
     )
 
 
-def role_of(features: Mapping[str, object]) -> Role:
-    mode = features.get("disaggregation_mode")
-    return mode if mode in ("prefill", "decode") else "aggregated"
+def needs_prefill_leg(role: Role, parsed: ParsedRequest, peer: PrefillPeer | None) -> bool:
+    """Check a request against the worker's role; whether it runs a prefill leg at ``peer``.
 
-
-def bootstrap_fields(
-    role: Role, parsed: ParsedRequest, peer: PrefillPeer | None
-) -> dict[str, Any] | None:
-    """Check a request against the worker's role; the bootstrap fields of a new prefill leg.
-
-    ``None`` when the request runs on this worker's engine alone.
+    False when the request runs on this worker's engine alone.
     """
     given = [name for name in _BOOTSTRAP_FIELDS if parsed.body.get(name) is not None]
     if given or role == "prefill":
         _check_bootstrap(parsed, role)
-        return None
+        return False
     if role == "aggregated":
-        return None
+        return False
     if peer is None:
         raise InvalidRequest(
             "a decode worker without a prefill peer needs the request's bootstrap_host, "
@@ -137,6 +129,11 @@ def bootstrap_fields(
             "a disaggregated request must be one prompt with n = 1 "
             "(the worker pairs its two legs by one bootstrap room)"
         )
+    return True
+
+
+def new_bootstrap(peer: PrefillPeer) -> dict[str, Any]:
+    """The bootstrap fields of a new prefill leg at ``peer``: a fresh room for each request."""
     return {
         "bootstrap_host": peer.bootstrap_host,
         "bootstrap_port": peer.bootstrap_port,

@@ -22,9 +22,13 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["ChatTemplating", "Engine", "EngineStream", "RequestPhase"]
+__all__ = ["ChatTemplating", "Engine", "EngineFeatures", "EngineStream", "RequestPhase", "Role"]
+
+#: A worker's role, from its engine's ``disaggregation_mode`` (``_disagg.py``).
+Role = Literal["aggregated", "prefill", "decode"]
 
 
 class RequestPhase(enum.Enum):
@@ -36,6 +40,59 @@ class RequestPhase(enum.Enum):
     REGISTERED = "registered"
     #: Pushed to the scheduler (the dispatch timestamp is set).
     DISPATCHED = "dispatched"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineFeatures:
+    """What an engine detected at start, read once by the worker and the server.
+
+    A runtime feature the lifecycle rests on defaults to absent: an engine
+    claims only what it has, and the worker falls back to the safe path for
+    the rest (a reader task, an abort per close).
+    """
+
+    #: What the capabilities call the engine: ``"sim"``, ``"sglang"``, ...
+    kind: str = "unknown"
+    #: The SGLang release whose semantics the engine has (``None``: not SGLang).
+    sglang_version: str | None = None
+    #: A request can be looked up by rid while the engine holds it (``rid_to_state``).
+    request_registry: bool = False
+    #: The engine marks the moment a request reaches its scheduler.
+    dispatch_timestamp: bool = False
+    #: The engine drops an abort of a request it already aborted.
+    abort_sent_flag: bool = False
+    #: Closing the stream releases or aborts every state it created, children included.
+    release_on_close: bool = False
+    #: ``n > 1`` on a native batch.
+    batch_parallel_sampling: bool = False
+    #: Prefill/decode disaggregation: the side this engine is, or ``None`` (aggregated).
+    disaggregation_mode: Literal["prefill", "decode"] | None = None
+    #: The model's context length, which the engine checks every request against.
+    context_length: int | None = None
+    #: The request fields the engine acts on (top-level names, and
+    #: ``sampling_params.<name>``); the worker refuses a request that asks for
+    #: any other (``_fields.py``). ``None``: the engine honours every field.
+    honoured_fields: frozenset[str] | None = None
+    #: How the installed SGLang registers, dispatches and releases requests, as JSON.
+    sglang_semantics: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        """A feature is claimed by ``True`` alone: a truthy stand-in is a mistake, said at once."""
+        flags = [field.name for field in fields(self) if field.type == "bool"]
+        wrong = [name for name in flags if not isinstance(getattr(self, name), bool)]
+        if wrong:
+            raise TypeError(f"EngineFeatures: {', '.join(wrong)} must be True or False")
+        if not isinstance(self.sglang_version, str | None):
+            raise TypeError("EngineFeatures: sglang_version must be a str or None")
+        if self.disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(
+                "EngineFeatures: disaggregation_mode must be None, 'prefill' or 'decode', "
+                f"not {self.disaggregation_mode!r}"
+            )
+
+    @property
+    def role(self) -> Role:
+        return self.disaggregation_mode or "aggregated"
 
 
 @runtime_checkable
@@ -71,20 +128,8 @@ class Engine(Protocol):
         """
         ...
 
-    def features(self) -> Mapping[str, object]:
-        """What was detected at run time.
-
-        Keys the worker reads: ``kind`` (str), ``sglang_version`` (str or
-        None), and bools: ``request_registry``, ``dispatch_timestamp``,
-        ``abort_sent_flag``, ``release_on_close`` (closing the stream
-        releases or aborts every state it created, children included) and
-        ``batch_parallel_sampling`` (``n > 1`` on a native batch); and
-        ``disaggregation_mode`` (``None``, ``"prefill"`` or ``"decode"``).
-        Optional: ``honoured_fields``, a set of the request fields the engine
-        acts on (top-level names, and ``sampling_params.<name>``); the worker
-        refuses a request that asks for any other (``_fields.py``). Without
-        it, the engine honours every field.
-        """
+    def features(self) -> EngineFeatures:
+        """What was detected at run time; the worker reads it once, at its start."""
         ...
 
     def generate(self, request: Mapping[str, Any]) -> EngineStream:

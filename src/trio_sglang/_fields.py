@@ -12,7 +12,7 @@ What follows from it:
 - ``check_field`` refuses a value of the wrong kind before the engine sees it:
   SGLang's dataclass takes anything, and a wrong value would fail inside the
   engine, after the rid was registered;
-- an engine lists the fields it acts on in ``features()["honoured_fields"]``
+- an engine lists the fields it acts on in ``features().honoured_fields``
   (top-level names, and ``sampling_params.<name>``); ``check_honoured`` refuses a
   request that asks for anything else (a value other than null or SGLang's
   default), naming the field, so that no field is ever silently dropped. An
@@ -26,6 +26,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
+from ._engine import EngineFeatures
 from ._errors import InvalidRequest
 from ._sampling import SAMPLING_PARAMS, check_watermark, native_name
 from ._values import is_int, is_one_of, is_token_list, shown
@@ -38,7 +39,6 @@ __all__ = [
     "check_field",
     "check_honoured",
     "unhonoured",
-    "unsupported",
 ]
 
 
@@ -239,21 +239,27 @@ def _sampling_params(params: object) -> Iterator[Mapping[str, Any]]:
             yield one
 
 
-def check_honoured(body: Mapping[str, Any], features: Mapping[str, object]) -> None:
-    """Refuse a request that asks for a field the engine does not honour, naming it."""
-    honoured = features.get("honoured_fields")
-    if not isinstance(honoured, AbstractSet):
+def check_honoured(
+    body: Mapping[str, Any], features: EngineFeatures, names: Mapping[str, str]
+) -> None:
+    """Refuse a request that asks for a field the engine does not honour, naming it.
+
+    ``names`` maps a native field to the caller's name for it, when the
+    caller sent another body (OpenAI's ``min_tokens``).
+    """
+    honoured = features.honoured_fields
+    if honoured is None:
         return  # an engine that lists none honours every field
     field = unhonoured(body, honoured)
     if field is not None:
-        raise InvalidRequest(unsupported(field, features), param=field)
+        name = names.get(field, field)
+        raise InvalidRequest(_unsupported(name, features), param=name)
 
 
-def unsupported(field: str, features: Mapping[str, object]) -> str:
-    """The refusal of a field the engine does not honour, in one place for every caller."""
-    kind = features.get("kind", "unknown")
-    version = features.get("sglang_version")
-    if kind == "sglang" and isinstance(version, str):
+def _unsupported(field: str, features: EngineFeatures) -> str:
+    kind = features.kind
+    version = features.sglang_version
+    if kind == "sglang" and version is not None:
         kind = f"{kind} engine (SGLang {version})"  # a release older than the field tables
     else:
         kind = f"{kind} engine"

@@ -27,8 +27,9 @@ class ServerLimits:
 
     # -- connections --------------------------------------------------------
     #: Connections held at once. Past it the server stops accepting (new
-    #: clients wait in the kernel's accept queue); lowered at start to fit
-    #: the file-descriptor limit.
+    #: clients wait in the kernel's accept queue). ``trio-sglang serve`` lowers
+    #: it at start to fit the file-descriptor limit, whose soft value it first
+    #: raises to the hard one.
     max_connections: int = 4096
     #: An idle keep-alive connection, or one whose request headers have not
     #: all arrived, is closed after this long.
@@ -44,10 +45,11 @@ class ServerLimits:
     #: client further behind than this is gone, as a stalled one is.
     max_unsent_tokens: int = 4096
     #: A streaming response with nothing to send for this long sends an SSE
-    #: comment, which clients ignore: a proxy that notices a gone client only
-    #: when it writes (sglang-router) then notices within this. 0: never.
+    #: comment (about 15 bytes), which clients ignore: a proxy that notices a
+    #: gone client only when it writes (sglang-router) then notices within
+    #: this. 0: never.
     sse_heartbeat: float = 0.1
-    #: Heartbeats a second, all streams together. Past this many silent streams
+    #: SSE heartbeats a second, all streams together. Past this many silent streams
     #: per ``sse_heartbeat`` each beats less often (every streams / this
     #: seconds), so that thousands of them cost a bounded share of a core; a
     #: proxy then notices a gone client within that longer spacing.
@@ -68,19 +70,22 @@ class ServerLimits:
     max_running_requests: int = 2048
     #: Prompts times ``n`` in one request.
     max_children_per_request: int = 256
-    #: Characters in a caller's ``rid`` (each entry of a list of them).
+    #: Characters in a caller's ``rid``, as ``/generate`` takes it (each entry
+    #: of a list of them).
     max_rid_length: int = 256
-    #: Prompt plus ``max_tokens``, in tokens; ``None`` takes the engine's.
+    #: Prompt plus ``max_tokens``, in tokens (default: the engine's).
     context_length: int | None = None
 
     # -- access -------------------------------------------------------------
     #: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
     api_key: str | None = None
-    #: When not empty, the Host header must name one of these (host or host:port).
+    #: The Host headers accepted, as host or host:port (default: any); against
+    #: DNS rebinding when the server is reachable from a browser.
     allowed_hosts: tuple[str, ...] = ()
     #: A decode server's prefill bootstrap addresses (host or host:port) that a
     #: request's ``bootstrap_host``/``bootstrap_port`` may name, beside the
-    #: ``--prefill-url`` server's; any other is refused before a connection.
+    #: ``--prefill-url`` server's (default: none); any other is refused before
+    #: a connection.
     allowed_bootstrap_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -51,8 +51,8 @@ class AbortPolicy:
     #: before the cleanup is cancelled and the engine closes.
     shutdown_grace: float = 1.0
     #: After that, how long the engine gets to close; an engine still closing
-    #: then is cancelled and left behind (logged), so that leaving the worker
-    #: always finishes.
+    #: then is cancelled and left behind (logged), so that the shutdown always
+    #: finishes.
     engine_close_timeout: float = 10.0
 
     def __post_init__(self) -> None:

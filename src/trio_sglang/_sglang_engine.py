@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._engine import RequestPhase
+from ._engine import EngineFeatures, RequestPhase
 from ._phase_poller import PhasePoller
 from ._sglang_chat import SGLangChat
 from ._sglang_cpu import prepare_cpu_engine, with_cpu_defaults
@@ -221,28 +221,27 @@ class SGLangEngine:
         """Whether the streams abort dispatched requests before SGLang's close (it does not)."""
         return not self.semantics.close_stops_dispatched
 
-    def features(self) -> Mapping[str, object]:
+    def features(self) -> EngineFeatures:
         semantics = self.semantics
         mode = getattr(getattr(self._tm, "server_args", None), "disaggregation_mode", None)
         # The model's context length, which the tokenizer manager checks every request against.
         context_len = getattr(self._tm, "context_len", None)
-        taken = fields_taken()
-        return {
-            "kind": "sglang",
-            "sglang_version": semantics.version,
-            "sglang_semantics": semantics.to_json(),
-            "request_registry": isinstance(getattr(self._tm, "rid_to_state", None), Mapping),
-            "dispatch_timestamp": semantics.supported,
-            "abort_sent_flag": semantics.abort_dedupe,
+        return EngineFeatures(
+            kind="sglang",
+            sglang_version=semantics.version,
+            sglang_semantics=semantics.to_json(),
+            request_registry=isinstance(getattr(self._tm, "rid_to_state", None), Mapping),
+            dispatch_timestamp=semantics.supported,
+            abort_sent_flag=semantics.abort_dedupe,
             # SGLang's own close, or this adapter's where SGLang's leaves it undone.
-            "release_on_close": semantics.supported,
-            "batch_parallel_sampling": True,
+            release_on_close=semantics.supported,
+            batch_parallel_sampling=True,
             # SGLang says "null" for an aggregated server.
-            "disaggregation_mode": mode if mode in ("prefill", "decode") else None,
-            **({"context_length": context_len} if isinstance(context_len, int) else {}),
+            disaggregation_mode=mode if mode in ("prefill", "decode") else None,
+            context_length=context_len if isinstance(context_len, int) else None,
             # An older release than trio-sglang's field tables: what it lacks is refused.
-            **({"honoured_fields": taken} if taken is not None else {}),
-        }
+            honoured_fields=fields_taken(),
+        )
 
     @property
     def template_manager(self) -> Any:

@@ -34,6 +34,7 @@ import math
 import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -42,8 +43,15 @@ from ._capabilities import build_capabilities
 from ._cleanup import EngineCleanup, EngineRequest
 from ._cleanup_group import CleanupGroup, open_cleanup_group
 from ._context import RequestContext
-from ._disagg import PrefillLeg, PrefillPeer, bootstrap_fields, peer_cancels_anytime, role_of
-from ._engine import Engine
+from ._disagg import (
+    PrefillLeg,
+    PrefillPeer,
+    needs_prefill_leg,
+    new_bootstrap,
+    peer_cancels_anytime,
+)
+from ._drain import Drain
+from ._engine import Engine, EngineFeatures, Role
 from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import FaultLog
 from ._fields import check_honoured
@@ -52,9 +60,9 @@ from ._observer import WorkerObserver
 from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
 from ._pump import EnginePump
-from ._request import OutputMode, parse_request
+from ._request import OutputMode, ParsedRequest, parse_request
 
-__all__ = ["ResponseStream", "Worker", "open_worker"]
+__all__ = ["PreparedRequest", "ResponseStream", "Worker", "open_worker"]
 
 logger = logging.getLogger("trio_sglang")
 
@@ -195,6 +203,26 @@ class ResponseStream:
             self._worker._engine_cleanup.hand_over(self._request, pull_cancelled=pull_cancelled)
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request one worker has checked; see ``Worker.prepare``."""
+
+    #: The request as the worker runs it: its body, children, ``n``, output mode.
+    parsed: ParsedRequest
+    #: Whether it runs a prefill leg at the worker's prefill peer (a decode worker's).
+    prefill_leg: bool
+    worker: Worker
+
+    def check_for(self, worker: Worker, output: OutputMode) -> None:
+        """Refuse it to another worker (whose engine honours other fields), or another output."""
+        if worker is not self.worker:
+            raise InvalidRequest("this request was prepared by another worker")
+        if output != self.parsed.output:
+            raise InvalidRequest(
+                f"this request was prepared for output {self.parsed.output!r}, not {output!r}"
+            )
+
+
 class Worker:
     """Runs generation requests against one engine; see ``open_worker``."""
 
@@ -210,17 +238,13 @@ class Worker:
         self._engine = engine
         self._policy = policy
         self._cleanups = cleanups
-        self._features = dict(engine.features())
-        self._role = role_of(self._features)
+        self._features = engine.features()
         self._prefill = prefill
         self._prefill_cancel_anytime = prefill_cancel_anytime
         self._faults = FaultLog(None if observer is None else observer.engine_fault)
         self._engine_cleanup = EngineCleanup(engine, policy, cleanups, self._faults, observer)
-        self._open: set[ResponseStream] = set()
-        #: Set by the shutdown; fires when the last open stream has closed.
-        self._all_closed: trio.Event | None = None
-        #: The shutdown grace's wait for open streams; ``end_grace`` cancels it.
-        self._grace = trio.CancelScope(shield=True)
+        #: The streams whose ``generate`` block is open; closed by the shutdown.
+        self._streams: Drain[ResponseStream] = Drain()
 
     @property
     def engine(self) -> Engine:
@@ -231,9 +255,18 @@ class Worker:
         return self._policy
 
     @property
+    def features(self) -> EngineFeatures:
+        """What the engine detected, as the worker read it at its start."""
+        return self._features
+
+    @property
+    def role(self) -> Role:
+        return self._features.role
+
+    @property
     def open_streams(self) -> int:
         """Streams whose ``generate`` block has not exited yet."""
-        return len(self._open)
+        return len(self._streams)
 
     @property
     def pending_cleanups(self) -> int:
@@ -248,32 +281,63 @@ class Worker:
         """Versioned capability metadata, derived from what the engine detected."""
         return build_capabilities(self._features)
 
-    @asynccontextmanager
-    async def generate(
-        self, request: Mapping[str, Any], ctx: RequestContext, output: OutputMode = "text"
-    ) -> AsyncIterator[ResponseStream]:
-        """Stream one request's chunks; leaving the block by any path stops it.
+    def prepare(
+        self,
+        request: Mapping[str, Any],
+        output: OutputMode = "text",
+        *,
+        names: Mapping[str, str] | None = None,
+    ) -> PreparedRequest:
+        """Check ``request`` for this worker, once: ``InvalidRequest`` before anything runs.
 
-        Raises ``InvalidRequest`` before anything reaches the engine, and
-        ``EngineShutdown`` if the worker is shutting down or shuts down while
-        the block is open. ``ctx.stop()``/``ctx.kill()`` cancel the block's
-        body (like an expired ``move_on_after``) and the block exits normally.
+        ``generate`` takes what this returns in place of the request, so that a
+        server which sizes its answer by the request (``parsed.children``)
+        reads it as the worker does, and checks it only once. ``names`` maps a
+        native field (``sampling_params.min_new_tokens``) to the caller's name
+        for it (``min_tokens``): a refusal of a field names it in the caller's words.
         """
         parsed = parse_request(request, output)
-        if not isinstance(ctx, RequestContext):
-            raise InvalidRequest(f"ctx must be a RequestContext, got {type(ctx).__name__}")
-        check_honoured(parsed.body, self._features)
+        check_honoured(parsed.body, self._features, names or {})
         if (
             parsed.batch_size is not None
             and parsed.n > 1
-            and self._features.get("batch_parallel_sampling") is not True
+            and not self._features.batch_parallel_sampling
         ):
             raise InvalidRequest(
                 "this engine cannot run parallel sampling (n > 1) on a native batch; "
                 "send one prompt per request"
             )
-        bootstrap = bootstrap_fields(self._role, parsed, self._prefill)
-        if self._all_closed is not None:
+        return PreparedRequest(parsed, needs_prefill_leg(self.role, parsed, self._prefill), self)
+
+    @asynccontextmanager
+    async def generate(
+        self,
+        request: Mapping[str, Any] | PreparedRequest,
+        ctx: RequestContext,
+        output: OutputMode = "text",
+    ) -> AsyncIterator[ResponseStream]:
+        """Stream one request's chunks; leaving the block by any path stops it.
+
+        ``request`` is an SGLang ``/generate`` body, or what ``prepare`` made
+        of one (for the same ``output``). Raises ``InvalidRequest`` before
+        anything reaches the engine, and ``EngineShutdown`` if the worker is
+        shutting down or shuts down while the block is open.
+        ``ctx.stop()``/``ctx.kill()`` cancel the block's body (like an expired
+        ``move_on_after``) and the block exits normally.
+        """
+        if isinstance(request, PreparedRequest):
+            request.check_for(self, output)
+            prepared = request
+        else:
+            prepared = self.prepare(request, output)
+        if not isinstance(ctx, RequestContext):
+            raise InvalidRequest(f"ctx must be a RequestContext, got {type(ctx).__name__}")
+        parsed = prepared.parsed
+        bootstrap = None
+        if prepared.prefill_leg:
+            assert self._prefill is not None  # a prefill leg needs the worker's peer
+            bootstrap = new_bootstrap(self._prefill)
+        if self._streams.closed:
             raise EngineShutdown("the worker is shutting down")
         # One minted rid, or one per prompt for a batch: all 32 hex digits,
         # so none is a prefix of another (SGLang aborts by prefix).
@@ -284,7 +348,7 @@ class Worker:
             ids.request,
             rids if parsed.stable_ids else (),
         )
-        release_on_close = self._features.get("release_on_close") is True
+        release_on_close = self._features.release_on_close
         pump = None
         if not (parsed.stable_ids and release_on_close):
             pump = EnginePump(
@@ -296,12 +360,13 @@ class Worker:
             )
         scope = trio.CancelScope()
         leg = None
-        if bootstrap is not None and self._prefill is not None:
+        if bootstrap is not None:
+            assert self._prefill is not None
             leg = PrefillLeg(
                 self._prefill, {**parsed.body, **bootstrap}, ids.request, rids, scope, self._faults
             )
         stream = ResponseStream(self, engine_request, pump, leg, ids, parsed.output, scope)
-        self._open.add(stream)
+        self._streams.add(stream)
         ctx._attach(scope)
         try:
             with scope:
@@ -311,14 +376,12 @@ class Worker:
             stream._close()
             if leg is not None:  # again: a stream that finished leaves its leg to this
                 self._end_prefill_leg(leg)
-            self._open.discard(stream)
-            if self._all_closed is not None and not self._open:
-                self._all_closed.set()
+            self._streams.discard(stream)
         if leg is not None and leg.error is not None:
             raise EngineError(
                 f"the prefill of {ids.request} failed ({type(leg.error).__name__})"
             ) from leg.error
-        if self._all_closed is not None and scope.cancelled_caught:
+        if self._streams.closed and scope.cancelled_caught:
             raise EngineShutdown("the worker shut down while the stream was open") from None
 
     # -- engine-side work, in the CleanupGroup --------------------------------
@@ -372,22 +435,20 @@ class Worker:
         at once (now, or as soon as the shutdown begins); the engine still
         closes after, which stops whatever it still runs.
         """
-        self._grace.cancel()
-        if self._all_closed is not None:  # the shutdown has begun
+        self._streams.hurry()
+        if self._streams.closed:  # the shutdown has begun
             self._cleanups.close(trio.current_time())
 
     async def _shutdown(self) -> None:
         """End open streams; give them and the cleanup the grace as one deadline."""
         deadline = trio.current_time() + self._policy.shutdown_grace
-        self._grace.deadline = deadline
-        self._all_closed = trio.Event()
-        for stream in list(self._open):
+        self._streams.close()
+        for stream in self._streams:
             stream._scope.cancel()
-        if self._open:
-            # Their callers hand the engine side over as their blocks exit.
-            with self._grace:
-                await self._all_closed.wait()
-        self._cleanups.close(trio.current_time() if self._grace.cancel_called else deadline)
+        # Their callers hand the engine side over as their blocks exit.
+        with trio.CancelScope(shield=True):
+            await self._streams.wait(deadline)
+        self._cleanups.close(trio.current_time() if self._streams.hurried else deadline)
 
 
 @asynccontextmanager
@@ -417,7 +478,7 @@ async def open_worker(
     policy = AbortPolicy() if policy is None else policy
     if not isinstance(policy, AbortPolicy):
         raise TypeError(f"policy must be an AbortPolicy, got {type(policy).__name__}")
-    if prefill is not None and role_of(engine.features()) != "decode":
+    if prefill is not None and engine.features().role != "decode":
         raise ValueError("prefill= is for a worker whose engine is in decode mode")
     leaving_with: BaseException | None = None
     with trio.CancelScope() as closing:

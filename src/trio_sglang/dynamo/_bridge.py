@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any, Literal, Protocol
 
 import trio
 
 from .._context import RequestContext
+from .._drain import Drain
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._worker import Worker
 from ._exchange import Exchange
@@ -69,23 +71,25 @@ class RequestBridge:
         self._observer = observer
         self._mode = mode
         self._token = trio.lowlevel.current_trio_token()
-        self._open = 0
-        self._idle = trio.Event()
-        self._idle.set()
-        self._closed = False
-
-    @property
-    def open_requests(self) -> int:
-        """Requests whose trio task is running."""
-        return self._open
+        #: The requests whose trio task is running.
+        self._requests: Drain[RequestContext] = Drain()
 
     def close(self) -> None:
         """Take no more requests: a late one ends at once with ``EngineShutdown``."""
-        self._closed = True
+        self._requests.close()
+
+    def hurry(self) -> None:
+        """End ``drain``'s grace now (a second signal)."""
+        self._requests.hurry()
+
+    async def drain(self, deadline: float) -> int:
+        """Wait for open requests until ``deadline`` (trio clock); how many are still open."""
+        await self._requests.wait(deadline)
+        return len(self._requests)
 
     async def wait_idle(self) -> None:
         """Return once no request is open (at once if none is)."""
-        await self._idle.wait()
+        await self._requests.wait(math.inf)
 
     # -- the asyncio side -----------------------------------------------------
 
@@ -139,11 +143,10 @@ class RequestBridge:
     # -- the trio side --------------------------------------------------------
 
     def _start(self, request: Mapping[str, Any], ctx: RequestContext, exchange: Exchange) -> None:
-        if self._closed:
+        if self._requests.closed:
             exchange.end(EngineShutdown("the worker is shutting down"))
             return
-        self._open += 1
-        self._idle = trio.Event()
+        self._requests.add(ctx)
         self._nursery.start_soon(self._serve, request, ctx, exchange)
 
     async def _serve(
@@ -153,7 +156,8 @@ class RequestBridge:
         sent = False
         try:
             served = self._mode.translate(request)
-            async with self._worker.generate(served.body, ctx, output=served.output) as stream:
+            prepared = self._worker.prepare(served.body, served.output, names=served.names)
+            async with self._worker.generate(prepared, ctx, output=served.output) as stream:
                 async for out in stream:
                     chunk = served.chunk(out)
                     if chunk is not None:
@@ -173,9 +177,7 @@ class RequestBridge:
             exchange.end(exc)
         finally:
             exchange.end(EngineShutdown("the worker stopped while the request was open"))
-            self._open -= 1
-            if not self._open:
-                self._idle.set()
+            self._requests.discard(ctx)
             if self._observer is not None:
                 self._observer.request_ended(outcome, tokens_sent=sent)
 

@@ -68,18 +68,13 @@ def _runtime_api() -> Any:
 class Hurry:
     """Ends the shutdown's graces at once (a second signal): open streams, then pending cleanup."""
 
-    def __init__(self) -> None:
-        #: The open streams' grace; a call cancels it.
-        self.streams_grace = trio.CancelScope()
-        self._worker: Worker | None = None
-
-    def attach(self, worker: Worker) -> None:
+    def __init__(self, bridge: RequestBridge, worker: Worker) -> None:
+        self._bridge = bridge
         self._worker = worker
 
     def __call__(self) -> None:
-        self.streams_grace.cancel()
-        if self._worker is not None:
-            self._worker.end_grace()
+        self._bridge.hurry()
+        self._worker.end_grace()
 
 
 async def serve_dynamo_worker(
@@ -104,7 +99,6 @@ async def serve_dynamo_worker(
     api = _runtime_api()
     planes = RuntimePlanes.from_env() if planes is None else planes
     policy = AbortPolicy() if policy is None else policy
-    hurry = Hurry()
     runtime = api.runtime.DistributedRuntime(
         host.loop,
         planes.discovery_backend,
@@ -116,7 +110,6 @@ async def serve_dynamo_worker(
         try:
             served = runtime.endpoint(endpoint.path)
             async with open_worker(engine, policy=policy, observer=observer) as worker:
-                hurry.attach(worker)
                 if observer is not None:
                     observer.watch(worker)
                 mode = (
@@ -127,7 +120,7 @@ async def serve_dynamo_worker(
                 async with trio.open_nursery() as requests:
                     bridge = RequestBridge(worker, requests, host.loop, observer, mode)
                     serving.start_soon(host.aio, partial(served.serve_endpoint, bridge.generate))
-                    context_length = engine.features().get("context_length")
+                    context_length = worker.features.context_length
                     await host.aio(
                         partial(_register, api, served, endpoint, worker, context_length)
                     )
@@ -138,17 +131,13 @@ async def serve_dynamo_worker(
                         endpoint.model_input,
                         planes.discovery_backend,
                     )
-                    task_status.started(hurry)
+                    task_status.started(Hurry(bridge, worker))
                     await shutdown.wait()
                     await _unregister(host, api, served)
                     bridge.close()
-                    with hurry.streams_grace, trio.move_on_after(policy.shutdown_grace):
-                        await bridge.wait_idle()
-                    if bridge.open_requests:
-                        logger.warning(
-                            "%d streams still open at the end of the grace: ended",
-                            bridge.open_requests,
-                        )
+                    left = await bridge.drain(trio.current_time() + policy.shutdown_grace)
+                    if left:
+                        logger.warning("%d streams still open at the end of the grace: ended", left)
                     requests.cancel_scope.cancel()
         finally:
             runtime.shutdown()  # ends serve_endpoint, and the runtime's own tasks

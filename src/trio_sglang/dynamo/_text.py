@@ -9,7 +9,7 @@ folds them into one body for a request that did not ask to stream: the
 choices' text added up, the id and usage of the last chunk that has them.
 
 So a request here is parsed, checked and rendered by the plans of
-``serve``'s OpenAI routes (``server/_openai.py``): the same fields taken,
+``serve``'s OpenAI routes (``_protocol/_openai.py``): the same fields taken,
 refused by name or ignored, chat prompts rendered with the engine's chat
 template as ``serve`` renders them (``ChatTemplating``, the plain transcript
 without one), and the same chunks, as objects. The stream always carries the
@@ -28,8 +28,7 @@ from typing import Any
 
 from .._engine import ChatTemplating, Engine
 from .._errors import InvalidRequest
-from ..server._errors import HTTPError
-from ..server._openai import ChatPlan, CompletionPlan, OpenAIPlan
+from .._protocol import ChatPlan, CompletionPlan, OpenAIPlan
 from ._translation import InputMode, Translation
 
 __all__ = ["merge_text_chunks", "text_mode"]
@@ -38,15 +37,12 @@ __all__ = ["merge_text_chunks", "text_mode"]
 def text_mode(engine: Engine, model: str) -> InputMode:
     """``ModelInput.Text`` over ``engine``; ``model`` names the model in every chunk."""
     templating = engine if isinstance(engine, ChatTemplating) else None
-    features = engine.features()
 
     def translate(request: Mapping[str, Any]) -> Translation:
-        try:
-            plan = _plan(request, model, templating)
-            plan.check(features)
-        except HTTPError as exc:  # every refusal of a plan's is the client's: a 400
-            raise InvalidRequest(exc.message, param=exc.param) from None
-        return Translation(plan.native, "native", partial(_chunk, plan), plan.closing_events)
+        plan = _plan(request, model, templating)
+        plan.check_sampling()
+        chunk = partial(_chunk, plan)
+        return Translation(plan.native, "native", chunk, plan.closing_events, plan.names)
 
     return InputMode(translate, merge_text_chunks)
 

@@ -12,7 +12,7 @@ with the mode's ``merge``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._request import OutputMode
@@ -33,6 +33,8 @@ class Translation:
     chunk: Callable[[dict[str, Any]], dict[str, Any] | None]
     #: The chunks after the last output (the usage an OpenAI request asked for).
     closing: Callable[[], list[dict[str, Any]]]
+    #: A field of ``body`` -> the client's name for it, for ``Worker.prepare``'s refusals.
+    names: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ from .._engine import ChatTemplating
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
-from .._worker import ResponseStream, Worker
+from .._protocol import ChatPlan, CompletionPlan, NativePlan, OpenAIPlan, Plan, sse_event
+from .._worker import PreparedRequest, ResponseStream, Worker
 from ._admission import Admission, Refused
 from ._asgi import (
     SSE_DONE,
@@ -39,7 +40,6 @@ from ._asgi import (
     send_json,
     send_sse,
     send_text,
-    sse_event,
     start_sse,
 )
 from ._connection import DropReason, current_connection
@@ -47,10 +47,7 @@ from ._errors import HTTPError, error_body, method_not_allowed
 from ._inflight import InFlight, abort_target
 from ._kv_rooms import ROOMS_PATH, KVRoomsApp
 from ._metrics import Outcome, ServerMetrics
-from ._native import NativePlan
-from ._openai import ChatPlan, CompletionPlan
 from ._outbox import Heartbeats, Outbox
-from ._plan import Plan
 
 __all__ = ["ServerApp"]
 
@@ -79,16 +76,13 @@ class ServerApp:
         if not self.models or not all(isinstance(name, str) and name for name in self.models):
             raise ValueError(f"model must be a name or names, got {model!r}")
         self.limits = ServerLimits() if limits is None else limits
-        #: What the engine detected, ``honoured_fields`` among it (``Plan.check``).
-        self._features = worker.engine.features()
         #: SGLang's ``--enable-cache-report``: OpenAI usage says how much of the prompt was cached.
         self.enable_cache_report = enable_cache_report
-        context_length = self._features.get("context_length")
         self._admission = Admission(
             self.limits,
             metrics,
-            context_length=context_length if isinstance(context_length, int) else None,
-            decode=worker.capabilities()["role"] == "decode",
+            context_length=worker.features.context_length,
+            decode=worker.role == "decode",
             prefill=prefill,
         )
         self.created = int(time.time())
@@ -279,9 +273,12 @@ class ServerApp:
         try:
             body = await self._read_body(scope, receive)
             plan = parse(body)
-            plan.cache_report = self.enable_cache_report
+            if isinstance(plan, OpenAIPlan):
+                plan.cache_report = self.enable_cache_report
+            # First the server's bounds, as SGLang refuses a request past its context
+            # length before any field of it; then the worker checks it, once.
             self._admission.check_request(endpoint, body, plan.native)
-            plan.check(self._features)
+            prepared = plan.prepare(self.worker)
             if self._closing:
                 raise _shutting_down()
             self._admission.check_load(len(self._inflight))
@@ -290,6 +287,10 @@ class ServerApp:
         except ClientGone:
             self._count(endpoint, "cancelled", phase="before_headers")
             return
+        except InvalidRequest as exc:
+            self._count(endpoint, "rejected")
+            await send_json(send, 400, error_body(str(exc), param=exc.param))
+            return
         except HTTPError as exc:
             self._count(endpoint, "rejected")
             await send_json(send, exc.status, exc.body(), exc.headers)
@@ -297,7 +298,7 @@ class ServerApp:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, ctx)
-                outcome = await self._respond(plan, ctx, send)
+                outcome = await self._respond(plan, prepared, ctx, send)
                 nursery.cancel_scope.cancel()
         finally:
             self._inflight.discard(ctx)
@@ -325,11 +326,13 @@ class ServerApp:
             pass
         ctx.kill()
 
-    async def _respond(self, plan: Plan, ctx: RequestContext, send: Send) -> Outcome:
+    async def _respond(
+        self, plan: Plan, prepared: PreparedRequest, ctx: RequestContext, send: Send
+    ) -> Outcome:
         """Generate and answer; every failure becomes a response, never an exception."""
         started = False
         try:
-            async with self.worker.generate(plan.native, ctx, output="native") as chunks:
+            async with self.worker.generate(prepared, ctx, output="native") as chunks:
                 if plan.stream:
                     await start_sse(send)
                     started = True

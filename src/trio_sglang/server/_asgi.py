@@ -8,8 +8,8 @@ from typing import Any, NoReturn
 
 import trio
 
+from .._protocol._json import dumps
 from ._errors import HTTPError
-from ._json import dumps
 
 __all__ = [
     "DRAIN_BYTES",
@@ -24,8 +24,6 @@ __all__ = [
     "send_json",
     "send_sse",
     "send_text",
-    "sse_data",
-    "sse_event",
     "start_sse",
 ]
 
@@ -188,15 +186,6 @@ async def start_sse(send: Send) -> None:
     await send(
         {"type": "http.response.start", "status": 200, "headers": _headers(b"text/event-stream")}
     )
-
-
-def sse_event(data: object) -> bytes:
-    return sse_data(dumps(data))
-
-
-def sse_data(json_text: str) -> bytes:
-    """One SSE event of already encoded JSON."""
-    return b"data: " + json_text.encode() + b"\n\n"
 
 
 async def send_sse(send: Send, payload: bytes, *, more: bool = True) -> None:

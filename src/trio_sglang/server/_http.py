@@ -26,6 +26,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ASGIFramework
 from hypercorn.utils import repr_socket_addr, wrap_app
 
+from .._drain import Drain
 from .._limits import ServerLimits
 from ._app import ServerApp
 from ._connection import ClientConnection, DropLog
@@ -55,15 +56,13 @@ class HTTPServer:
         self._limits = limits
         self._context = WorkerContext(None)
         self._slots = trio.Semaphore(limits.max_connections)
-        self._open: dict[ClientConnection, None] = {}  # oldest first
-        self._all_closed: trio.Event | None = None
-        self._grace = trio.CancelScope()
+        self._connections: Drain[ClientConnection] = Drain()
         self._starved = False  # accept() is out of descriptors: logged once per episode
         self._drops = DropLog()  # one INFO line per interval for clients that were gone
 
     def hurry(self) -> None:
         """End the shutdown grace now (a second signal): open connections are reset."""
-        self._grace.cancel()
+        self._connections.hurry()
 
     async def run(
         self,
@@ -98,16 +97,15 @@ class HTTPServer:
                 self._app.close()  # end the responses; their cleanup is the worker's
                 accepting.cancel_scope.cancel()
             await self._context.terminated.set()  # idle keep-alive connections close
-            for connection in self._open:  # and those that never sent a byte
+            for connection in self._connections:  # and those that never sent a byte
                 connection.stop_waiting()
-            self._grace.deadline = trio.current_time() + self._config.graceful_timeout
-            with self._grace:
-                await self._wait_all_closed()
-            if self._open:
+            grace = trio.current_time() + self._config.graceful_timeout
+            if not await self._connections.wait(grace):
                 logger.warning(
-                    "reset %d connections still open after the shutdown grace", len(self._open)
+                    "reset %d connections still open after the shutdown grace",
+                    len(self._connections),
                 )
-            for connection in list(self._open):
+            for connection in list(self._connections):
                 connection.drop("shutdown")
             handlers.cancel_scope.cancel()
 
@@ -176,7 +174,7 @@ class HTTPServer:
             metrics=self._app.metrics,
             drops=self._drops,
         )
-        self._open[connection] = None
+        self._connections.add(connection)
         try:
             await connection.serve()
         except Exception as exc:
@@ -194,10 +192,8 @@ class HTTPServer:
         finally:
             # hypercorn closes the socket with awaits, which a cancelled server skips.
             stream.socket.close()
-            del self._open[connection]
+            self._connections.discard(connection)
             self._slots.release()
-            if not self._open and self._all_closed is not None:
-                self._all_closed.set()
 
     def _reclaim_idle(self) -> None:
         """At the limit, make room: drop the oldest connection with no request in flight.
@@ -206,12 +202,7 @@ class HTTPServer:
         that connect and send nothing (or keep a connection idle) hold every
         slot for the keep-alive timeout, and ``/health`` waits behind them.
         """
-        for connection in self._open:
+        for connection in self._connections:
             if connection.idle and connection.dropped is None:
                 connection.drop("idle")
                 return
-
-    async def _wait_all_closed(self) -> None:
-        if self._open:
-            self._all_closed = trio.Event()
-            await self._all_closed.wait()

@@ -32,7 +32,7 @@ a native batch or ``n > 1`` becomes ``room + i`` for the i-th child; a list
 gives each prompt its own.
 
 The conformance harness's stand-in scheduler models the same queues
-(``trio_sglang.harness._pd_queues``) with this timing and these abort texts,
+(``trio_sglang_harness._pd_queues``) with this timing and these abort texts,
 but not this code: it runs in SGLang's scheduler process with no trio,
 against a scripted peer whose every event is due at a known time, where
 here each stage is a trio task waiting on a live peer's room events.
@@ -72,15 +72,18 @@ DisaggregationMode = Literal["prefill", "decode"]
 class SimDisaggTiming:
     """Seconds on the trio clock, and the prefill's chunk size in prompt tokens."""
 
-    #: Prefill compute per prompt token.
+    #: A disaggregated prefill's compute per prompt token; a prompt word is a
+    #: token.
     prefill_time_per_token: float = 0.0001
-    #: Prompt tokens per prefill forward (SGLang's chunked prefill).
+    #: Prompt tokens per prefill forward (SGLang's chunked prefill); a cancel
+    #: takes effect between forwards.
     prefill_chunk_tokens: int = 256
     #: The decode side's handshake with the prefill side's bootstrap server.
     bootstrap_delay: float = 0.002
-    #: Sending the KV cache from prefill to decode.
+    #: Sending the KV cache from the prefill side to the decode side.
     kv_transfer_delay: float = 0.005
-    #: How long decode waits for a KV cache (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
+    #: How long the decode side waits for a KV cache; the default is SGLang's
+    #: (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
     kv_wait_timeout: float = 300.0
     #: How long prefill waits for the decode side's handshake
     #: (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
@@ -422,7 +425,7 @@ class SimDecodeScheduler(_DisaggScheduler):
 
 
 # -- what SGLang streams when a disaggregated request ends in an abort --------------
-# Shared with the stand-in scheduler's queues (``trio_sglang.harness``), so that
+# Shared with the stand-in scheduler's queues (``trio_sglang_harness``), so that
 # both sides of a conformance comparison answer in SGLang's words.
 
 #: The scheduler's answer (400) to a disaggregated request that came without a room.

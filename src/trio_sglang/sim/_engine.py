@@ -9,7 +9,7 @@ from typing import Any, get_args
 import trio
 
 from .._chat import plain_transcript
-from .._engine import RequestPhase
+from .._engine import EngineFeatures, RequestPhase
 from .._kv_rooms import KVRooms
 from .._sampling import SAMPLING_PARAMS, native_name
 from ._disagg import (
@@ -24,7 +24,7 @@ from ._trace import Trace, TraceKind
 
 __all__ = ["SimEngine"]
 
-#: The request fields the SimEngine honours (``features()["honoured_fields"]``): what it
+#: The request fields the SimEngine honours (``features().honoured_fields``): what it
 #: acts on, and what changes nothing it models, its timing. Every sampling parameter
 #: but beam search is taken (its words are not sampled, so none changes them, nor is a
 #: grammar enforced); so are ids, routing, caching and bookkeeping fields (``cache_salt``
@@ -178,19 +178,19 @@ class SimEngine:
                 self._tm.close()
                 nursery.cancel_scope.cancel()
 
-    def features(self) -> Mapping[str, object]:
-        return {
-            "kind": "sim",
-            "sglang_version": self.SGLANG_VERSION,
-            "request_registry": True,
-            "dispatch_timestamp": True,
-            "abort_sent_flag": True,
-            "release_on_close": self._tm.release_on_close,
-            "batch_parallel_sampling": True,
-            "disaggregation_mode": self.disaggregation_mode,
-            "context_length": self.context_length,
-            "honoured_fields": HONOURED_FIELDS,
-        }
+    def features(self) -> EngineFeatures:
+        return EngineFeatures(
+            kind="sim",
+            sglang_version=self.SGLANG_VERSION,
+            request_registry=True,
+            dispatch_timestamp=True,
+            abort_sent_flag=True,
+            release_on_close=self._tm.release_on_close,
+            batch_parallel_sampling=True,
+            disaggregation_mode=self.disaggregation_mode,
+            context_length=self.context_length,
+            honoured_fields=HONOURED_FIELDS,
+        )
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], *, continue_final_message: bool = False

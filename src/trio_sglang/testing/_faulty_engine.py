@@ -10,6 +10,7 @@ release on close, lost aborts before dispatch) still hold.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from typing import Any, Literal
 import trio
 
 from .._chat import plain_transcript
-from .._engine import ChatTemplating, Engine, EngineStream, RequestPhase
+from .._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
 
 __all__ = ["AbortFault", "CloseFault", "Faults", "FaultyEngine"]
+
+FEATURE_FIELDS = dataclasses.fields(EngineFeatures)
 
 #: ``raise``: the call raises ``ConnectionError``; ``hang``: it never returns;
 #: ``ignore``: it returns and nothing happens.
@@ -60,7 +63,7 @@ class FaultyEngine:
     ``select`` sees the ``/generate`` body the worker sends (its ``text``,
     ``sampling_params``, ...); by default every request is faulty. Children
     of a faulty ``n > 1`` request are faulty too, from their first output.
-    ``features`` overrides what the wrapped engine reports (e.g.
+    ``features`` overrides fields of what the wrapped engine reports (e.g.
     ``{"release_on_close": False}`` to drive the worker's fallback paths).
 
     Introspection: ``aborts`` (clock time and rid of every abort call),
@@ -73,12 +76,15 @@ class FaultyEngine:
         faults: Faults | None = None,
         *,
         select: Callable[[Mapping[str, Any]], bool] | None = None,
-        features: Mapping[str, object] | None = None,
+        features: Mapping[str, Any] | None = None,
     ) -> None:
         self.inner = engine
         self.faults = Faults() if faults is None else faults
         self._select = select
         self._features = dict(features or {})
+        unknown = self._features.keys() - {field.name for field in FEATURE_FIELDS}
+        if unknown:
+            raise TypeError(f"not fields of EngineFeatures: {', '.join(sorted(unknown))}")
         self._faulty: set[str] = set()
         self._abort_calls: dict[str, int] = {}
         self._in_flight: set[trio.CancelScope] = set()
@@ -112,8 +118,8 @@ class FaultyEngine:
             finally:
                 self.closed_at = trio.current_time()
 
-    def features(self) -> Mapping[str, object]:
-        return {**self.inner.features(), **self._features}
+    def features(self) -> EngineFeatures:
+        return dataclasses.replace(self.inner.features(), **self._features)
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], *, continue_final_message: bool = False

@@ -119,7 +119,7 @@ async def open_sglang_harness(
             [
                 sys.executable,
                 "-m",
-                "trio_sglang.harness._host",
+                "trio_sglang_harness._host",
                 "--workdir",
                 str(where),
                 "--first-token-delay",

@@ -72,7 +72,7 @@ def open_tokenizer_manager(
         [
             sys.executable,
             "-m",
-            "trio_sglang.harness._scheduler",
+            "trio_sglang_harness._scheduler",
             "--input",
             port_args.scheduler_input_ipc_name,
             "--output",

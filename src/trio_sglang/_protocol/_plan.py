@@ -7,11 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import InvalidRequest
-from .._fields import check_honoured, unsupported
 from .._outputs import PublicIds
-from .._request import parse_request
-from ._errors import HTTPError
+from .._request import ParsedRequest
+from .._worker import PreparedRequest, Worker
 
 __all__ = ["ChildResult", "Plan"]
 
@@ -45,28 +43,28 @@ class Plan(ABC):
 
     #: The native field (top-level, or ``sampling_params.<name>``) -> the client's name for it.
     names: Mapping[str, str] = {}
-    #: Usage reports the prompt's cached tokens (``--enable-cache-report``); the server sets it.
-    cache_report = False
 
-    def __init__(self, native: dict[str, Any], public_id: str, stream: bool, n: int) -> None:
+    def __init__(self, native: dict[str, Any], public_id: str, stream: bool) -> None:
         self.native = native
         self.public_id = public_id
         self.stream = stream
-        self.n = n
         self.children: dict[int, ChildResult] = {}
+        self._prepared: PreparedRequest | None = None
 
-    def check(self, features: Mapping[str, object]) -> None:
-        """What the worker would refuse, refused in the client's words; after admission.
+    def prepare(self, worker: Worker) -> PreparedRequest:
+        """The native body, checked once by ``worker`` in the client's words; for ``generate``.
 
-        Here: a field the engine does not honour. The worker refuses it too, but
-        in the native body's words (``sampling_params.min_new_tokens`` where the
-        client sent ``min_tokens``).
+        The plan then answers by what the worker parsed: how many children, and their ids.
         """
-        try:
-            check_honoured(self.native, features)
-        except InvalidRequest as exc:
-            name = self.names.get(exc.param or "", exc.param or "")
-            raise HTTPError(400, unsupported(name, features), param=name) from None
+        self._prepared = worker.prepare(self.native, "native", names=self.names)
+        return self._prepared
+
+    @property
+    def parsed(self) -> ParsedRequest:
+        """The request as the worker runs it (``prepare`` first)."""
+        if self._prepared is None:
+            raise RuntimeError("the plan's request was not prepared")
+        return self._prepared.parsed
 
     def add(self, out: dict[str, Any]) -> tuple[int, ChildResult]:
         """Take one output into its child's result: the newest state, and for a body, the totals.
@@ -97,7 +95,7 @@ class Plan(ABC):
         the finish reason ``ABORTED``, under its public id (``request_id`` is
         the request's, its ``RequestContext``'s); its counts are its last ones.
         """
-        parsed = parse_request(self.native, "native")  # as the worker parsed it, without fail
+        parsed = self.parsed
         ids = PublicIds.for_request(parsed, request_id)
         outs = []
         for index in range(parsed.children):
@@ -114,44 +112,6 @@ class Plan(ABC):
                 out["index"] = index
             outs.append(out)
         return outs
-
-    def usage(self) -> dict[str, Any]:
-        """OpenAI usage: each prompt counted once (its cached tokens too), every child's completion.
-
-        As SGLang's ``UsageProcessor``: a prompt's counts are its first child's.
-        """
-        prompts: dict[int, dict[str, Any]] = {}
-        completion = 0
-        for index, child in sorted(self.children.items()):
-            prompts.setdefault(index // self.n, child.meta)
-            completion += int(child.meta.get("completion_tokens", 0))
-        prompt = sum(int(meta.get("prompt_tokens", 0)) for meta in prompts.values())
-        cached = sum(int(meta.get("cached_tokens", 0)) for meta in prompts.values())
-        return self._usage(prompt, completion, cached)
-
-    def child_usage(self, index: int) -> dict[str, Any]:
-        """One child's usage so far: its prompt and its completion.
-
-        Read from the newest output's ``meta_info``, which counts every token
-        so far, also when one event carries several (a client behind, ``Outbox``).
-        """
-        meta = self.children[index].meta
-        return self._usage(
-            int(meta.get("prompt_tokens", 0)),
-            int(meta.get("completion_tokens", 0)),
-            int(meta.get("cached_tokens", 0)),
-        )
-
-    def _usage(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-        if self.cache_report:
-            # SGLang's --enable-cache-report: the prompt tokens its prefix cache held.
-            usage["prompt_tokens_details"] = {"cached_tokens": cached}
-        return usage
 
     @abstractmethod
     def sse(self, index: int, out: dict[str, Any]) -> bytes:

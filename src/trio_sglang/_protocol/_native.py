@@ -6,11 +6,11 @@ import logging
 import uuid
 from typing import Any
 
+from .._errors import InvalidRequest
 from .._fields import SGLANG_FIELDS
 from .._values import shown
-from ._asgi import sse_event
-from ._errors import HTTPError
 from ._plan import Plan
+from ._sse import sse_event
 
 __all__ = ["NativePlan"]
 
@@ -30,45 +30,37 @@ class NativePlan(Plan):
     parameters are refused there, and so here (by the worker).
     """
 
-    def __init__(self, native: dict[str, Any], stream: bool, n: int, many: bool) -> None:
+    def __init__(self, native: dict[str, Any], stream: bool) -> None:
         rid = native.get("rid")
         # The request's id: what /abort_request names it by (a rid list names children).
         public_id = rid if isinstance(rid, str) and rid else f"gen-{uuid.uuid4().hex}"
-        super().__init__(native, public_id, stream, n)
-        self.many = many  # a list comes back, as SGLang answers batches and n > 1
+        super().__init__(native, public_id, stream)
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> NativePlan:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise HTTPError(400, "'stream' must be a bool", param="stream")
+            raise InvalidRequest("'stream' must be a bool", param="stream")
         # sglang-router adds "model" (null) to every /generate body: ignored, as by SGLang.
         ignored = sorted(key for key in body if key not in SGLANG_FIELDS)
         if ignored:
             # shown(): a client's keys, bounded.
             logger.debug("ignored fields SGLang's /generate does not have: %s", shown(ignored))
         native = {k: v for k, v in body.items() if k in SGLANG_FIELDS and k != "stream"}
-        sampling = native.get("sampling_params")
-        first = sampling[0] if isinstance(sampling, list) and sampling else sampling
-        n = first.get("n") if isinstance(first, dict) else None
-        n = n if isinstance(n, int) and n > 1 else 1
-        ids = native.get("input_ids")
-        batch = isinstance(native.get("text"), list) or (
-            isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        )
-        return cls(native, stream, n, batch or n > 1)
+        return cls(native, stream)
 
     def sse(self, index: int, out: dict[str, Any]) -> bytes:
         return sse_event(out)
 
     def body(self) -> object:
+        many = not self.parsed.single_sample  # a list, as SGLang answers batches and n > 1
         results = [
             {
                 "text": child.text,
                 "output_ids": child.output_ids,
                 "meta_info": child.meta,
-                **({"index": index} if self.many else {}),
+                **({"index": index} if many else {}),
             }
             for index, child in sorted(self.children.items())
         ]
-        return results if self.many else results[0]
+        return results if many else results[0]

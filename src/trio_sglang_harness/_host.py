@@ -48,10 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._engine import RequestPhase
-from .._policy import AbortPolicy
-from .._sglang_engine import SGLangEngine
-from .._worker import open_worker
+from trio_sglang import AbortPolicy, RequestPhase, SGLangEngine, open_worker
+
 from ._chat import observe_chat
 from ._peer import DisaggSetup
 from ._protocol import ANSWER

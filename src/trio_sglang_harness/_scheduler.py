@@ -7,7 +7,7 @@ on the same ZMQ sockets and speaks SGLang's own messages, so the cancellation
 lifecycle can be tested against the real TokenizerManager on a CPU-only
 machine::
 
-    python -m trio_sglang.harness._scheduler --input IPC --output IPC \\
+    python -m trio_sglang_harness._scheduler --input IPC --output IPC \\
         --first-token-delay S --token-interval S --log PATH [--disagg JSON]
 
 It PULLs ``TokenizedGenerateReqInput`` and ``AbortReq`` from the tokenizer
@@ -163,7 +163,7 @@ def _duration(text: str) -> float:
 def parse_args(argv: Sequence[str] | None = None) -> Options:
     """Read the command line (``sys.argv[1:]`` when ``argv`` is None)."""
     parser = argparse.ArgumentParser(
-        prog="python -m trio_sglang.harness._scheduler",
+        prog="python -m trio_sglang_harness._scheduler",
         description="Stand-in SGLang scheduler for the real TokenizerManager (testing only).",
     )
     parser.add_argument("--input", required=True, help="the scheduler_input_ipc_name to PULL from")

@@ -16,9 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .._context import RequestContext
-from .._engine import ChatTemplating
-from .._worker import Worker
+from trio_sglang import ChatTemplating, InvalidRequest, RequestContext, Worker
 
 __all__ = ["ChatPrompts", "observe_chat"]
 
@@ -47,15 +45,14 @@ async def observe_chat(
     """``body`` (an OpenAI chat request) through both routes, on a worker over ``engine``."""
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 
-    from ..server._errors import HTTPError
-    from ..server._openai import ChatPlan
+    from trio_sglang._protocol import ChatPlan
 
     ours: dict[str, Any] | str
     theirs: dict[str, Any] | str
     try:
         ours = ChatPlan.parse(dict(body), "harness", engine).native
-    except HTTPError as exc:
-        ours = exc.message
+    except InvalidRequest as exc:
+        ours = str(exc)
     try:
         adapted, _ = sglang_serving._convert_to_internal_request(ChatCompletionRequest(**body))
         theirs = {"text": adapted.text, "input_ids": adapted.input_ids}

@@ -34,7 +34,6 @@ from typing import Any, Literal, NamedTuple
 from .._errors import InvalidRequest
 from .._sampling import check_sampling_params, native_name
 from .._values import is_int, is_one_of, shown
-from ._errors import HTTPError
 
 __all__ = [
     "CHAT_FIELDS",
@@ -237,10 +236,10 @@ def native_fields(body: Mapping[str, Any], route: Route) -> NativeFields:
         logger.debug("ignored fields SGLang's %s route does not have: %s", route, shown(ignored))
     for key, (off, why) in _UNSUPPORTED[route].items():
         if not is_one_of(body.get(key), off):
-            raise HTTPError(400, f"'{key}' is not supported by this server: {why}", param=key)
+            raise InvalidRequest(f"'{key}' is not supported by this server: {why}", param=key)
     for key, kind in _IGNORED[route].items():
         if not isinstance(body.get(key), kind | None):
-            raise HTTPError(400, f"'{key}' must be a {kind.__name__}", param=key)
+            raise InvalidRequest(f"'{key}' must be a {kind.__name__}", param=key)
     names: dict[str, str] = {}
     sampling: dict[str, Any] = {}
     for key, param in _SAMPLING[route].items():
@@ -261,15 +260,12 @@ def native_fields(body: Mapping[str, Any], route: Route) -> NativeFields:
 
 
 def check_sampling(sampling: Mapping[str, Any], names: Mapping[str, str]) -> None:
-    """``native_fields``' sampling parameters, checked as the lifecycle checks them; 400 if bad.
+    """``native_fields``' sampling parameters, checked as the lifecycle checks them.
 
     In the client's words: ``min_tokens`` where the native body says
     ``sampling_params.min_new_tokens``.
     """
-    try:
-        check_sampling_params(sampling, lambda key: names.get(native_name(key), key))
-    except InvalidRequest as exc:
-        raise HTTPError(400, str(exc), param=exc.param) from None
+    check_sampling_params(sampling, lambda key: names.get(native_name(key), key))
 
 
 def _max_tokens(body: Mapping[str, Any], route: Route) -> tuple[int | None, str]:
@@ -285,8 +281,8 @@ def _max_tokens(body: Mapping[str, Any], route: Route) -> tuple[int | None, str]
             return _COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"
         if not is_int(value) or value < 1:
             # SGLang's CompletionRequest: "max_tokens must be positive".
-            raise HTTPError(
-                400, f"'max_tokens' must be an int >= 1, got {shown(value)}", param="max_tokens"
+            raise InvalidRequest(
+                f"'max_tokens' must be an int >= 1, got {shown(value)}", param="max_tokens"
             )
         return value, "max_tokens"
     for key in ("max_completion_tokens", "max_tokens"):
@@ -294,7 +290,7 @@ def _max_tokens(body: Mapping[str, Any], route: Route) -> tuple[int | None, str]
         if value is None:
             continue
         if not is_int(value) or value < 0:
-            raise HTTPError(400, f"'{key}' must be an int >= 0, got {shown(value)}", param=key)
+            raise InvalidRequest(f"'{key}' must be an int >= 0, got {shown(value)}", param=key)
         return value, key
     return None, "max_tokens"
 
@@ -338,5 +334,5 @@ def _response_format(value: object, route: Route) -> tuple[str, str] | None:
     )
 
 
-def _bad_format(message: str) -> HTTPError:
-    return HTTPError(400, message, param="response_format")
+def _bad_format(message: str) -> InvalidRequest:
+    return InvalidRequest(message, param="response_format")

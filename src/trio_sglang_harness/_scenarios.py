@@ -24,11 +24,17 @@ from typing import Any, Literal, Protocol
 
 import trio
 
-from .._context import RequestContext
-from .._engine import Engine, EngineStream, RequestPhase
-from .._request import OutputMode
-from .._worker import Worker
-from ..sim import SimEngine, SimKVRooms
+from trio_sglang import (
+    Engine,
+    EngineFeatures,
+    EngineStream,
+    OutputMode,
+    RequestContext,
+    RequestPhase,
+    Worker,
+)
+from trio_sglang.sim import SimEngine, SimKVRooms
+
 from ._peer import DisaggSetup, play_peer
 
 __all__ = [
@@ -170,7 +176,7 @@ class RidRecorder:
     def running(self) -> AbstractAsyncContextManager[None]:
         return self.engine.running()
 
-    def features(self) -> Mapping[str, object]:
+    def features(self) -> EngineFeatures:
         return self.engine.features()
 
     def generate(self, request: Mapping[str, Any]) -> EngineStream:
@@ -488,7 +494,7 @@ async def observe_on_sim(
     With ``disagg``, a SimEngine in that role with its own ``SimKVRooms``,
     where the peer script plays the other side of each request's room.
     """
-    from .._worker import open_worker
+    from trio_sglang import open_worker
 
     rooms = SimKVRooms()
     engine = SimEngine(

@@ -42,7 +42,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
-from ..sim._disagg import ABORTED, NO_ROOM, abort_reason, kv_timed_out, room_failed
+from trio_sglang.sim._disagg import ABORTED, NO_ROOM, abort_reason, kv_timed_out, room_failed
+
 from ._peer import DisaggSetup
 
 __all__ = ["EventLog", "Exit", "Queues", "queues_for"]

@@ -5,18 +5,18 @@ from __future__ import annotations
 import time
 import uuid
 from abc import abstractmethod
-from collections.abc import Mapping
 from functools import cached_property
 from typing import Any, NamedTuple
 
 from .._chat import plain_transcript
 from .._engine import ChatTemplating
+from .._errors import InvalidRequest
 from .._values import is_token_list
-from ._asgi import sse_data
-from ._errors import HTTPError
+from .._worker import PreparedRequest, Worker
 from ._json import Template
 from ._openai_fields import Route, check_sampling, native_fields
 from ._plan import Plan
+from ._sse import sse_data
 
 __all__ = ["ChatPlan", "CompletionPlan", "OpenAIPlan"]
 
@@ -35,7 +35,7 @@ def _native(
     if rid is not None:
         if not (isinstance(rid, str) and rid):
             # SGLang also takes a list, one per prompt: these responses have one id.
-            raise HTTPError(400, "'rid' must be a non-empty string", param="rid")
+            raise InvalidRequest("'rid' must be a non-empty string", param="rid")
         native["rid"] = rid
     return native, fields.names
 
@@ -56,15 +56,15 @@ def _stream_flags(body: dict[str, Any]) -> _StreamFlags:
     """
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise HTTPError(400, "'stream' must be a bool", param="stream")
+        raise InvalidRequest("'stream' must be a bool", param="stream")
     options = body.get("stream_options")
     if not isinstance(options, dict | None):  # false, 0 and "" too: they are not options
-        raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
+        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
     flags = []
     for key in ("include_usage", "continuous_usage_stats"):
         value = (options or {}).get(key)
         if not isinstance(value, bool | None):
-            raise HTTPError(400, f"'stream_options.{key}' must be a bool", param="stream_options")
+            raise InvalidRequest(f"'stream_options.{key}' must be a bool", param="stream_options")
         flags.append(bool(value))
     return _StreamFlags(stream, *flags)
 
@@ -75,6 +75,8 @@ class OpenAIPlan(Plan):
     object_name = ""
     chunk_name = ""
     id_prefix = ""
+    #: Usage reports the prompt's cached tokens (``--enable-cache-report``); the server sets it.
+    cache_report = False
 
     def __init__(
         self,
@@ -84,16 +86,60 @@ class OpenAIPlan(Plan):
         flags: _StreamFlags,
     ) -> None:
         public_id = native.get("rid") or f"{self.id_prefix}{uuid.uuid4().hex}"
-        super().__init__(native, public_id, flags.stream, native["sampling_params"].get("n") or 1)
+        super().__init__(native, public_id, flags.stream)
+        #: Completions per prompt: the client's ``n``, as this plan wrote it into ``native``.
+        self.n: int = native["sampling_params"].get("n") or 1
         self.names = names
         self.include_usage = flags.include_usage
         self.continuous_usage = flags.continuous_usage
         self.model = model
         self.created = int(time.time())
 
-    def check(self, features: Mapping[str, object]) -> None:
+    def check_sampling(self) -> None:
+        """The sampling parameters, refused in the client's words; after the context length."""
         check_sampling(self.native["sampling_params"], self.names)
-        super().check(features)
+
+    def prepare(self, worker: Worker) -> PreparedRequest:
+        self.check_sampling()
+        return super().prepare(worker)
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage: each prompt counted once (its cached tokens too), every child's completion.
+
+        As SGLang's ``UsageProcessor``: a prompt's counts are its first child's.
+        """
+        prompts: dict[int, dict[str, Any]] = {}
+        completion = 0
+        for index, child in sorted(self.children.items()):
+            prompts.setdefault(index // self.n, child.meta)
+            completion += int(child.meta.get("completion_tokens", 0))
+        prompt = sum(int(meta.get("prompt_tokens", 0)) for meta in prompts.values())
+        cached = sum(int(meta.get("cached_tokens", 0)) for meta in prompts.values())
+        return self._usage(prompt, completion, cached)
+
+    def child_usage(self, index: int) -> dict[str, Any]:
+        """One child's usage so far: its prompt and its completion.
+
+        Read from the newest output's ``meta_info``, which counts every token
+        so far, also when one event carries several (a client behind, ``Outbox``).
+        """
+        meta = self.children[index].meta
+        return self._usage(
+            int(meta.get("prompt_tokens", 0)),
+            int(meta.get("completion_tokens", 0)),
+            int(meta.get("cached_tokens", 0)),
+        )
+
+    def _usage(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        if self.cache_report:
+            # SGLang's --enable-cache-report: the prompt tokens its prefix cache held.
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def _envelope(self, name: str, choices: object) -> dict[str, Any]:
         return {
@@ -156,8 +202,7 @@ class CompletionPlan(OpenAIPlan):
         elif isinstance(prompt, list) and prompt:
             native = {"input_ids": prompt}  # token ids, or a list of them
         else:
-            raise HTTPError(
-                400,
+            raise InvalidRequest(
                 "'prompt' must be a non-empty string, list of strings, or token ids",
                 param="prompt",
             )
@@ -195,8 +240,8 @@ class ChatPlan(OpenAIPlan):
             # still checked but never rendered (no template can refuse them).
             _checked_messages(body.get("messages"))
             if not is_token_list(ids):
-                raise HTTPError(
-                    400, "'input_ids' must be a non-empty list of token ids", param="input_ids"
+                raise InvalidRequest(
+                    "'input_ids' must be a non-empty list of token ids", param="input_ids"
                 )
             native = {"input_ids": ids}
         return cls(*_native(body, "chat", native), model, _stream_flags(body))
@@ -248,15 +293,15 @@ def _chat_prompt(body: dict[str, Any], templating: ChatTemplating | None) -> dic
     messages = _checked_messages(body.get("messages"))
     continue_final = body.get("continue_final_message")
     if not isinstance(continue_final, bool | None):
-        raise HTTPError(
-            400, "'continue_final_message' must be a bool", param="continue_final_message"
+        raise InvalidRequest(
+            "'continue_final_message' must be a bool", param="continue_final_message"
         )
     render = plain_transcript if templating is None else templating.render_chat
     try:
         prompt = render(messages, continue_final_message=bool(continue_final))
     except ValueError as exc:
-        raise HTTPError(
-            400, f"the chat template refused the messages: {exc}", param="messages"
+        raise InvalidRequest(
+            f"the chat template refused the messages: {exc}", param="messages"
         ) from exc
     return {"input_ids": prompt} if isinstance(prompt, list) else {"text": prompt}
 
@@ -264,12 +309,12 @@ def _chat_prompt(body: dict[str, Any], templating: ChatTemplating | None) -> dic
 def _checked_messages(messages: object) -> list[dict[str, Any]]:
     """The messages as sent, once each has a known role and text content."""
     if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "'messages' must be a non-empty list", param="messages")
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in _ROLES:  # a list or dict is unhashable
-            raise HTTPError(
-                400, f"messages[{i}] needs a role in {sorted(_ROLES)}", param="messages"
+            raise InvalidRequest(
+                f"messages[{i}] needs a role in {sorted(_ROLES)}", param="messages"
             )
         _check_content(message.get("content"), i)
     return messages
@@ -283,4 +328,4 @@ def _check_content(content: object, i: int) -> None:
         for part in content
     ):
         return
-    raise HTTPError(400, f"messages[{i}].content must be text", param="messages")
+    raise InvalidRequest(f"messages[{i}].content must be text", param="messages")

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import trio
 
-from .._engine import Engine, RequestPhase
-from ..sim import DisaggregationMode, SimDisaggTiming, SimKVRooms
+from trio_sglang import Engine, RequestPhase
+from trio_sglang.sim import DisaggregationMode, SimDisaggTiming, SimKVRooms
 
 __all__ = ["DisaggSetup", "play_peer"]
 
