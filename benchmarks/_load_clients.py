@@ -15,12 +15,15 @@ the first from sending the request (TTFT) and each next from the one before
 Why httpx rather than raw sockets: it is a real HTTP/1.1 client (the one the
 ``openai`` SDK is built on), it runs on trio, and on the project's 2-core
 machine 1,000 of these users reading about 3,300 events/s cost the client
-process about 0.6 of a core, which leaves the server the other core. Two
-details make that true: every client shares one SSL context (httpx otherwise
-builds one per client, loading the CA bundle, about 17 ms of CPU each: 17 s
-for 1,000 clients, although loopback HTTP never uses it), and ``trust_env``
-is off, so that no proxy from the environment gets between the users and the
-server on loopback.
+process about 0.6 of a core, which leaves the server the other core. The
+client, its request and its reading are bench-endpoint's
+(``trio_sglang.bench_endpoint._clients``, one leaving client for both): one
+SSL context shared by every client (httpx otherwise builds one per client,
+loading the CA bundle, about 17 ms of CPU each: 17 s for 1,000 clients,
+although loopback HTTP never uses it), no proxy from the environment between
+the users and the server on loopback, and a reading no dearer than httpx's
+own. This module keeps what is the load test's: when a user leaves, what
+counts as a token (every data event), what it times and how a request ended.
 
 Every wait is bounded: each request by ``trio.move_on_after`` (its moment
 of leaving, or ``request_timeout``), the whole run by a ``trio.fail_after``
@@ -31,13 +34,15 @@ from __future__ import annotations
 
 import json
 import random
-import ssl
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 import trio
+
+from trio_sglang.bench_endpoint._apis import request_body
+from trio_sglang.bench_endpoint._clients import BadAnswer, Stream, http_client, read_events
 
 __all__ = [
     "ENDPOINTS",
@@ -46,7 +51,6 @@ __all__ = [
     "Outcome",
     "Tally",
     "http_client",
-    "request_body",
     "run_clients",
 ]
 
@@ -59,19 +63,7 @@ Outcome = Literal[
 ]
 LEFT: tuple[Outcome, ...] = ("left_before_response", "left_before_first_token", "left_mid_stream")
 
-_SHARED_SSL = ssl.create_default_context()
-_ERROR_EVENT = 'data: {"error"'
-
-
-def http_client(url: str, timeout: float) -> httpx.AsyncClient:
-    """One user's client: at most one connection, kept alive between requests."""
-    return httpx.AsyncClient(
-        base_url=url,
-        timeout=timeout,
-        verify=_SHARED_SSL,
-        trust_env=False,
-        limits=httpx.Limits(max_connections=1),
-    )
+_ERROR_EVENT = '{"error"'
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,22 +134,12 @@ class Tally:
         return statuses + sum(self.stream_errors.values())
 
 
-def request_body(endpoint: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A streaming request for ``endpoint`` in its own dialect (SGLang's or OpenAI's)."""
-    if endpoint == "/generate":
-        return {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_tokens}}
-    if endpoint == "/v1/completions":
-        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    messages = [{"role": "user", "content": prompt}]
-    return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
-
-
 @dataclass(slots=True)
-class _Seen:
-    status: int | None = None
+class _Seen(Stream):
+    """One request as the reader filled it in (its status, ``[DONE]``), and as the user saw it."""
+
     tokens: int = 0
     error: str | None = None
-    done: bool = False
     #: When the request was sent, and when its last token event came.
     sent_at: float = 0.0
     last_at: float | None = None
@@ -176,19 +158,16 @@ class _Seen:
 async def _read(
     client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], seen: _Seen, tally: Tally
 ) -> None:
+    def on_event(data: str) -> bool:
+        """A token event (every data event but an error), timed; an error event, read on."""
+        if data.startswith(_ERROR_EVENT):
+            seen.error = str(json.loads(data)["error"]["code"])
+        else:
+            seen.token(tally)
+        return False  # the user leaves only at its moment: the caller's deadline
+
     seen.sent_at = trio.current_time()
-    async with client.stream("POST", endpoint, json=body) as response:
-        seen.status = response.status_code
-        if seen.status != 200:
-            await response.aread()
-            return
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                seen.done = True
-            elif line.startswith(_ERROR_EVENT):
-                seen.error = str(json.loads(line.removeprefix("data: "))["error"]["code"])
-            elif line.startswith("data: "):
-                seen.token(tally)
+    await read_events(client, endpoint, body, seen, on_event, reuse=True)
 
 
 async def _request(
@@ -207,8 +186,8 @@ async def _request(
             shape.request_timeout if leave_after is None else leave_after
         ) as scope:
             await _read(client, endpoint, body, seen, tally)
-    except httpx.HTTPError as exc:
-        tally.failures[type(exc).__name__] += 1
+    except BadAnswer as exc:  # named by the httpx error under it: ReadError, ReadTimeout...
+        tally.failures[type(exc.__cause__ or exc).__name__] += 1
     else:
         outcome = _outcome(seen, leave_after, scope.cancelled_caught, tally)
     finally:
@@ -260,7 +239,8 @@ async def _client(
             leave_after: float | None = None
             while leave_after is None and trio.current_time() < stop_at:
                 endpoint = rng.choice(ENDPOINTS)
-                body = request_body(endpoint, model, f"user {index} says hello", shape.max_tokens)
+                prompt = f"user {index} says hello"
+                body = request_body(endpoint, prompt, shape.max_tokens, model=model)
                 leave_after = shape.leave_after(rng)
                 await _request(client, endpoint, body, leave_after, shape, tally)
 

@@ -61,7 +61,7 @@ import h2.connection
 import h2.settings
 import trio
 
-from _load_clients import request_body
+from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = [
     "Holds",
@@ -258,7 +258,7 @@ async def _hold(
 def _nonreader(
     index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
 ) -> Attempt:
-    body = request_body("/v1/completions", model, f"non-reader {index}", shape.max_tokens)
+    body = request_body("/v1/completions", f"non-reader {index}", shape.max_tokens, model=model)
     payload = json.dumps(body | {"n": shape.samples}).encode()
     request = _post(address, "/v1/completions", payload) + payload
     return partial(_hold, address, request, "non-reader", shape, tally.nonreaders, tally)
@@ -273,7 +273,7 @@ def zero_window_preface(host: str, model: str, prompt: str, max_tokens: int, str
         client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
     )
     conn.initiate_connection()
-    body = json.dumps(request_body("/generate", model, prompt, max_tokens)).encode()
+    body = json.dumps(request_body("/generate", prompt, max_tokens)).encode()
     head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http")]
     for stream_id in range(1, 2 * streams, 2):
         conn.send_headers(
@@ -340,7 +340,7 @@ def _trickler(
     # bound, so that what ends it is the bound, never the body's end.
     length = math.ceil(4 * shape.read_timeout / shape.trickle_interval)
     prompt = f"trickler {index}" + " slow" * math.ceil(length / len(" slow"))
-    body = json.dumps(request_body("/v1/completions", model, prompt, 1)).encode()
+    body = json.dumps(request_body("/v1/completions", prompt, 1, model=model)).encode()
     head = _post(address, "/v1/completions", body)
     return partial(_trickle, address, head, body, shape, tally)
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from _load_clients import request_body
+from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = ["ENDED", "Reading", "Response", "cpu_seconds", "main", "reading_from"]
 
@@ -166,7 +166,7 @@ class _Clients:
 
     def request(self, tokens: int) -> bytes:
         body = json.dumps(
-            request_body(self._args.endpoint, self._args.model, "hello", tokens)
+            request_body(self._args.endpoint, "hello", tokens, model=self._args.model)
         ).encode()
         head = (
             f"POST {self._args.endpoint} HTTP/1.1\r\nhost: {self._host}\r\n"

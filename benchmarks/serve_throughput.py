@@ -45,12 +45,12 @@ from pathlib import Path
 
 import trio
 
-from _load_clients import request_body
 from _load_server import ServerProcess, open_server
 from _report import Progress, add_file_options, results_folder
 from _sse_client import Reading, reading_from
 from _throughput_report import SERVERS, Cell, Server, ThroughputReport
 from cancel_latency import machine
+from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = ["FULL", "QUICK", "Config", "build_parser", "main", "record_events", "run_benchmark"]
 
@@ -129,7 +129,7 @@ async def record_events(config: Config, tries: int = 5) -> list[str]:
     args = ["--sim-first-token-delay", interval, "--sim-token-interval", interval]
     async with _open_server(config, args) as server:
         model = await server.model()
-        body = request_body(config.endpoint, model, "hello", config.max_tokens)
+        body = request_body(config.endpoint, "hello", config.max_tokens, model=model)
         for _ in range(tries):
             async with server.admin.stream("POST", config.endpoint, json=body) as response:
                 response.raise_for_status()

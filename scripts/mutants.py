@@ -42,16 +42,16 @@ from mutmut.utils.format_utils import orig_function_and_class_names_from_key
 #: the engine (the stream, the worker's hand-over and shutdown, the reader, the cleanup
 #: and its owner), not their constructors, nor the request's way in (``generate``).
 QUICK = (
-    "trio_sglang._worker.xǁResponseStreamǁ[!_]*",
-    "trio_sglang._worker.xǁResponseStreamǁ_[!_]*",
-    "trio_sglang._worker.xǁResponseStreamǁ__anext__*",
-    "trio_sglang._worker.xǁWorkerǁ_[!_]*",
-    "trio_sglang._worker.xǁWorkerǁend_grace*",
-    "trio_sglang._pump.*",
-    "trio_sglang._cleanup.xǁEngineCleanupǁ[!_]*",
-    "trio_sglang._cleanup.xǁEngineCleanupǁ_[!_]*",
-    "trio_sglang._cleanup_group.*",
-    "trio_sglang._drain.*",
+    "trio_sglang._core._worker.xǁResponseStreamǁ[!_]*",
+    "trio_sglang._core._worker.xǁResponseStreamǁ_[!_]*",
+    "trio_sglang._core._worker.xǁResponseStreamǁ__anext__*",
+    "trio_sglang._core._worker.xǁWorkerǁ_[!_]*",
+    "trio_sglang._core._worker.xǁWorkerǁend_grace*",
+    "trio_sglang._core._pump.*",
+    "trio_sglang._core._cleanup.xǁEngineCleanupǁ[!_]*",
+    "trio_sglang._core._cleanup.xǁEngineCleanupǁ_[!_]*",
+    "trio_sglang._core._cleanup_group.*",
+    "trio_sglang._core._drain.*",
 )
 EQUIVALENTS = Path("docs/mutants.md")
 #: Decorators that wrap a function and nothing else (see the module's docstring).

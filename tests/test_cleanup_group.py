@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
-from trio_sglang._cleanup_group import open_cleanup_group
+from trio_sglang._core._cleanup_group import open_cleanup_group
 
 
 async def sleep_then_note(seconds: float, ended: list[float]) -> None:

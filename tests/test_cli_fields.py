@@ -15,8 +15,8 @@ import pytest
 
 from trio_sglang import _cli
 from trio_sglang._cli_fields import FieldOptions, field_docs
+from trio_sglang._core._policy import AbortPolicy
 from trio_sglang._limits import API_KEY_ENV, ServerLimits
-from trio_sglang._policy import AbortPolicy
 from trio_sglang.sim import SimDisaggTiming
 
 MIRRORS: dict[str, FieldOptions[Any]] = {

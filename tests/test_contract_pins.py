@@ -21,11 +21,11 @@ import trio.testing
 
 import trio_sglang as ts
 from conftest import Recorder, read, slow_sim
-from trio_sglang._cleanup import EngineCleanup, EngineRequest
-from trio_sglang._cleanup_group import open_cleanup_group
-from trio_sglang._disagg import CANCEL_ANYTIME
+from trio_sglang._core._cleanup import EngineCleanup, EngineRequest
+from trio_sglang._core._cleanup_group import open_cleanup_group
+from trio_sglang._core._disagg import CANCEL_ANYTIME
+from trio_sglang._core._faults import FaultLog
 from trio_sglang._engine import RequestPhase
-from trio_sglang._faults import FaultLog
 from trio_sglang.testing import Faults, FaultyEngine
 
 HELLO: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 5}}
@@ -713,7 +713,7 @@ async def test_a_batch_may_give_one_bootstrap_room_per_prompt_each_checked(
 
 
 def test_a_child_index_past_the_known_children_gets_a_public_id_of_its_own() -> None:
-    from trio_sglang._outputs import PublicIds
+    from trio_sglang._core._outputs import PublicIds
 
     ids = PublicIds("pub", ("a", "b"))
     assert [ids.child(i) for i in (0, 1, 2)] == ["a", "b", "pub_2"]
@@ -721,7 +721,7 @@ def test_a_child_index_past_the_known_children_gets_a_public_id_of_its_own() -> 
 
 @pytest.mark.parametrize("engine_id", ["", 7, None], ids=["empty", "int", "none"])
 def test_a_native_output_without_a_usable_engine_id_is_only_renamed(engine_id: object) -> None:
-    from trio_sglang._outputs import PublicIds, format_chunk
+    from trio_sglang._core._outputs import PublicIds, format_chunk
 
     out = {"meta_info": {"id": engine_id, "finish_reason": {"message": "abort req.rid=x"}}}
     chunk = format_chunk("native", out, PublicIds("pub"))
@@ -729,7 +729,7 @@ def test_a_native_output_without_a_usable_engine_id_is_only_renamed(engine_id: o
 
 
 def test_a_text_chunk_of_an_output_without_text_has_empty_text() -> None:
-    from trio_sglang._outputs import PublicIds, format_chunk
+    from trio_sglang._core._outputs import PublicIds, format_chunk
 
     chunk = format_chunk("text", {"meta_info": {}}, PublicIds("pub"))
     assert chunk["choices"] == [{"index": 0, "text": "", "finish_reason": None}]

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import trio_sglang as ts
 from _fuzz import fuzz_settings
 from conftest import SLOW_KNOBS, slow_sim
-from trio_sglang._disagg import PEER_CHECK_TIMEOUT
+from trio_sglang._core._disagg import PEER_CHECK_TIMEOUT
 from trio_sglang.testing import Faults, FaultyEngine
 
 REQUEST: dict[str, Any] = {

@@ -758,7 +758,7 @@ async def test_regression_streams_ended_by_a_shutdown_with_no_grace_get_engine_s
     With ``shutdown_grace=0`` the worker's ``_shutdown`` returns before the
     streams it ended have left their blocks, and the worker's nursery closes
     (no child left) with a schedule point before ``open_worker`` sets
-    ``Worker._nursery_closed`` (src/trio_sglang/_worker.py, in the ``finally``
+    ``Worker._nursery_closed`` (src/trio_sglang/_core/_worker.py, in the ``finally``
     after the nursery). A consumer whose cancelled pull runs in that window
     hands its cleanup over (``Worker._hand_over``), which calls ``start_soon``
     on the closed nursery: ``RuntimeError("Nursery is closed to new

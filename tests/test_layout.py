@@ -27,27 +27,13 @@ from trio_sglang.sim import DisaggregationMode, SimEngine, SimKVRooms
 
 PACKAGE = Path(trio_sglang.__file__).parent
 
-#: The lifecycle's modules; the simulator is one engine among others to them.
+#: What the lifecycle (``_core/``) stands on: the engine protocol, the errors, and
+#: SGLang's request as the worker checks it. The simulator is one engine among others.
+BENEATH_THE_CORE = ("_engine", "_errors", "_fields", "_request", "_sampling", "_values")
+#: The lifecycle's modules, and the modules it stands on.
 LIFECYCLE = (
-    "_capabilities",
-    "_cleanup",
-    "_cleanup_group",
-    "_context",
-    "_disagg",
-    "_engine",
-    "_errors",
-    "_faults",
-    "_fields",
-    "_ids",
-    "_in_process_prefill",
-    "_observer",
-    "_outputs",
-    "_policy",
-    "_pump",
-    "_request",
-    "_sampling",
-    "_values",
-    "_worker",
+    *sorted((PACKAGE / "_core").glob("*.py")),
+    *(PACKAGE / f"{name}.py" for name in (*BENEATH_THE_CORE, "_in_process_prefill")),
 )
 
 
@@ -133,7 +119,7 @@ def _imported(path: Path, root: Path = PACKAGE.parent) -> set[str]:
 @pytest.mark.parametrize(
     "path",
     [
-        *(PACKAGE / f"{name}.py" for name in LIFECYCLE),
+        *LIFECYCLE,
         *sorted((PACKAGE / "server").glob("*.py")),
     ],
     ids=lambda path: str(path.relative_to(PACKAGE)),
@@ -145,6 +131,17 @@ def test_the_lifecycle_and_the_server_never_import_the_simulator(path: Path) -> 
         if name == "trio_sglang.sim" or name.startswith(("trio_sglang.sim.", "trio_sglang._sim"))
     )
     assert sim == [], f"{path.name} imports the simulator: {sim}"
+
+
+@pytest.mark.parametrize("name", BENEATH_THE_CORE)
+def test_what_the_lifecycle_stands_on_never_imports_it(name: str) -> None:
+    """The core sits on the engine protocol and SGLang's request checks, never the reverse."""
+    core = sorted(
+        imported
+        for imported in _imported(PACKAGE / f"{name}.py")
+        if imported.startswith("trio_sglang._core")
+    )
+    assert core == [], f"{name}.py imports the lifecycle: {core}"
 
 
 def _module_name(path: Path, root: Path) -> str:

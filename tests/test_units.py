@@ -21,10 +21,10 @@ import pytest
 import trio.testing
 
 import trio_sglang as ts
-from trio_sglang._capabilities import SCHEMA_VERSION, build_capabilities
-from trio_sglang._drain import Drain
-from trio_sglang._ids import RID_LENGTH, mint_rid
-from trio_sglang._outputs import PublicIds, format_chunk
+from trio_sglang._core._capabilities import SCHEMA_VERSION, build_capabilities
+from trio_sglang._core._drain import Drain
+from trio_sglang._core._ids import RID_LENGTH, mint_rid
+from trio_sglang._core._outputs import PublicIds, format_chunk
 
 # -- AbortPolicy -------------------------------------------------------------------
 

@@ -7,20 +7,20 @@ the real SGLang never loads the SimEngine.
 
 from typing import TYPE_CHECKING, Any
 
-from ._context import RequestContext
-from ._disagg import PrefillFailed, PrefillPeer, Role
+from ._core._context import RequestContext
+from ._core._disagg import PrefillFailed, PrefillPeer, Role
+from ._core._faults import EngineFault
+from ._core._observer import WorkerObserver
+from ._core._policy import AbortPolicy
+from ._core._worker import PreparedRequest, ResponseStream, Worker, open_worker
 from ._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest
-from ._faults import EngineFault
 from ._in_process_prefill import InProcessPrefill
 from ._kv_rooms import BootstrapAddr, KVRooms, RoomEvent
-from ._observer import WorkerObserver
-from ._policy import AbortPolicy
 from ._request import OutputMode
 from ._sglang_engine import SGLangEngine
 from ._sglang_semantics import UnsupportedSGLang
 from ._version import __version__
-from ._worker import PreparedRequest, ResponseStream, Worker, open_worker
 
 if TYPE_CHECKING:
     from .sim import (

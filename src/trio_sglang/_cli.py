@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from ._cli_fields import FieldOptions, positive_int, seconds
+from ._core._disagg import PrefillFailed
+from ._core._policy import AbortPolicy
 from ._demo import run_demo
-from ._disagg import PrefillFailed
 from ._engines import EngineOptions, open_engine
 from ._limits import API_KEY_ENV, ServerLimits
-from ._policy import AbortPolicy
 from ._sglang_args import add_sglang_options, sglang_installed, wants_sglang
 from ._sglang_semantics import UnsupportedSGLang
 from ._version import __version__

@@ -7,8 +7,8 @@ from typing import Any, TextIO
 
 import trio
 
-from ._context import RequestContext
-from ._worker import Worker, open_worker
+from ._core._context import RequestContext
+from ._core._worker import Worker, open_worker
 from .sim import SimEngine, TraceKind
 
 __all__ = ["run_demo"]

@@ -9,10 +9,10 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from .._chat import plain_transcript
+from .._core._worker import PreparedRequest, Worker
 from .._engine import ChatTemplating
 from .._errors import InvalidRequest
 from .._values import is_token_list
-from .._worker import PreparedRequest, Worker
 from ._json import Template
 from ._openai_fields import Route, check_sampling, native_fields
 from ._plan import Plan

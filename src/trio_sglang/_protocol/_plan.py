@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._outputs import PublicIds
+from .._core._outputs import PublicIds
+from .._core._worker import PreparedRequest, Worker
 from .._request import ParsedRequest
-from .._worker import PreparedRequest, Worker
 
 __all__ = ["ChildResult", "Plan"]
 

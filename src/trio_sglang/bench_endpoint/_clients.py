@@ -1,245 +1,138 @@
-"""One client's request: send, read the server-sent events, and leave the way its phase says.
+"""The one streaming client that leaves: how it is made, how it reads the events, how it goes.
 
-Each client has its own ``httpx.AsyncClient`` and so its own connection, as
-separate users have; leaving closes that connection, which is all a server
-ever sees of a client that goes. A clean close sends FIN; a reset sets
-SO_LINGER to 0 on the socket first, so the kernel sends RST instead, as it
-does for a killed process.
+bench-endpoint's visits (``_visits``) and the load test's users
+(``benchmarks/_load_clients.py``) both send a streaming request, read its
+server-sent events and leave at some moment; what they count, time and
+judge differs. So this module does the sending and the reading, and hands
+each data event (``[DONE]`` aside) to the caller's ``on_event``, which
+counts and times it as its figures mean and says whether to leave now.
 
-Leaving right after sending uses httpcore's trace hook, which says when the
-request's last byte was written: the client cancels its read there, and
-httpcore closes the connection. Every other leave happens between two events
-(or at ``--leave-delay``), the same way. Every visit is bounded by the
-request timeout, and every line of its stream by ``MAX_LINE_BYTES``: a
-server's bad answer fails that visit, never the run.
+Leaving closes the connection, which is all a server ever sees of a client
+that goes. There are three ways, and any caller may use each:
 
-Tokens are counted from the events: exactly on ``/generate`` (its
-``meta_info.completion_tokens``), one per event with text on the OpenAI
-routes (a server that merges tokens into one event, as it may for a client
-that is behind, makes this a lower bound).
+- ``on_event`` returns True: the read returns between two events;
+- the caller cancels the read (a ``trio`` deadline: a moment after sending,
+  or a bound): httpx closes a connection whose read is cancelled;
+- ``leave_when_sent(scope)``: httpcore's trace hook cancels ``scope`` once
+  the request's last byte is written, before any answer.
+
+A clean close sends FIN; ``http_client(reset=True)`` sets SO_LINGER to 0 on
+the socket first, so the kernel sends RST instead, as it does for a killed
+process. Every line is bounded by ``MAX_LINE_BYTES``, and httpx's failures
+come out as ``BadAnswer``: a server's bad answer fails that request, never
+the run. The reading costs no more than httpx's own ``aiter_lines`` (about
+2.4 µs an event against 2.6), which the load test's 1,000 users need.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import socket
 import ssl
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import trio
 
-from .._bounded_http import BadAnswer, parse_json, read_answer, stream_lines
-from ._apis import API_PATHS, Api
-from ._phases import Phase
+from .._bounded_http import BadAnswer, stream_lines
 
-__all__ = ["LeaveRule", "Target", "Visit", "discover_model", "visit"]
+__all__ = ["MAX_LINE_BYTES", "BadAnswer", "Stream", "http_client", "leave_when_sent", "read_events"]
 
 #: One context for every client: httpx otherwise builds one per client, loading
-#: the CA bundle each time (milliseconds of CPU per client, for nothing on http://).
+#: the CA bundle each time (about 17 ms of CPU per client, for nothing on http://).
 _SHARED_SSL = ssl.create_default_context()
 _RESET = [(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))]
 #: httpcore's trace event once the request's last byte is written.
 _SENT = "http11.send_request_body.complete"
 #: The longest SSE line read: an event is a few hundred bytes (its logprobs a few kB).
 MAX_LINE_BYTES = 1 << 20
+#: How much of an error page is kept, for a message.
+_HEAD = 200
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where the requests go and what they ask for."""
-
-    url: str
-    api: Api
-    model: str | None
-    headers: dict[str, str]
-    max_tokens: int
-    prompt_words: int
-    ignore_eos: bool
-    timeout: float
-
-    def body(self, index: int, max_tokens: int | None = None) -> dict[str, Any]:
-        """A streaming request in the API's dialect; the index opens the prompt, so that no
-        two requests share a cached prefix."""
-        prompt = f"Request {index}: " + " ".join(["hello"] * self.prompt_words)
-        tokens = self.max_tokens if max_tokens is None else max_tokens
-        if self.api == "sglang-generate":
-            params = {"max_new_tokens": tokens, "ignore_eos": self.ignore_eos}
-            return {"text": prompt, "stream": True, "sampling_params": params}
-        body: dict[str, Any] = {"max_tokens": tokens, "stream": True}
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        if self.model is not None:
-            body["model"] = self.model
-        if self.api == "openai-completions":
-            return {**body, "prompt": prompt}
-        return {**body, "messages": [{"role": "user", "content": prompt}]}
-
-    def client(self, *, reset: bool = False) -> httpx.AsyncClient:
-        transport = httpx.AsyncHTTPTransport(
-            verify=_SHARED_SSL, trust_env=False, socket_options=_RESET if reset else None
-        )
-        return httpx.AsyncClient(
-            base_url=self.url, headers=self.headers, timeout=self.timeout, transport=transport
-        )
+def http_client(
+    url: str, timeout: float, *, headers: dict[str, str] | None = None, reset: bool = False
+) -> httpx.AsyncClient:
+    """A client with one connection of its own (kept alive between its requests), as a
+    separate user has; no proxy from the environment gets between it and ``url``.
+    ``reset``: leaving sends RST, not FIN."""
+    transport = httpx.AsyncHTTPTransport(
+        verify=_SHARED_SSL,
+        trust_env=False,
+        limits=httpx.Limits(max_connections=1),
+        socket_options=_RESET if reset else None,
+    )
+    return httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=timeout, transport=transport, trust_env=False
+    )
 
 
-@dataclass(frozen=True, slots=True)
-class LeaveRule:
-    #: ``before_first_token``: seconds after sending.
-    delay: float
-    #: ``mid_stream``: token events read before leaving.
-    chunks: int
+def leave_when_sent(scope: trio.CancelScope) -> dict[str, Any]:
+    """httpx request extensions that cancel ``scope`` once the request is all written."""
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event == _SENT:
+            scope.cancel()
+
+    return {"trace": trace}
 
 
 @dataclass(slots=True)
-class Visit:
-    """What one client did and saw, on the trio clock."""
+class Stream:
+    """What the reader saw of one answer, filled in as it comes: a leave may cut it short."""
 
-    phase: str
-    sent_at: float = math.nan
-    #: When it left (connection closed), or read ``[DONE]``, or gave up.
+    #: None until the answer's headers came.
+    status: int | None = None
+    #: Whether ``[DONE]`` was read.
+    done: bool = False
+    #: When the answer ended (its ``[DONE]`` read, or its body's end), on the trio clock.
     ended_at: float = math.nan
-    outcome: Literal["left", "completed", "failed"] = "failed"
-    error: str | None = None
-    tokens: int = 0
-    token_times: list[float] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] - self.sent_at if self.token_times else None
-
-    def itl(self) -> list[float]:
-        times = self.token_times
-        return [later - earlier for earlier, later in itertools.pairwise(times)]
+    #: The start of a non-200 answer's body (an error page), for a message.
+    head: str = ""
 
 
-async def visit(
-    target: Target,
-    phase: Phase,
-    rule: LeaveRule,
-    record: Visit,
-    index: int,
-    max_tokens: int | None = None,
-) -> None:
-    """One request, to its end or to its phase's moment of leaving; never raises for the server's
-    faults (they end up in ``record``)."""
-    body = target.body(index, max_tokens)
-    async with target.client(reset=phase.reset) as client:
-        with trio.move_on_after(target.timeout) as guard:
-            record.sent_at = trio.current_time()
-            leave = trio.CancelScope()
-            if phase.leave == "before_first_token":
-                leave.deadline = record.sent_at + rule.delay
-
-            async def sent(event: str, info: dict[str, Any]) -> None:
-                if event == _SENT:
-                    leave.cancel()
-
-            trace = {"trace": sent} if phase.leave == "after_send" else {}
-            try:
-                with leave:
-                    await _read(client, target, body, phase, rule, record, trace)
-            except BadAnswer as exc:  # the call failed, or its answer broke a bound
-                record.outcome, record.error = "failed", str(exc)[:300]
-            except (ValueError, TypeError, AttributeError) as exc:  # an answer not as its API's
-                record.outcome, record.error = "failed", f"unreadable answer: {exc!r:.200}"
-            if leave.cancelled_caught:
-                record.outcome = "left"
-        if guard.cancelled_caught:
-            record.outcome, record.error = "failed", f"no end within {target.timeout:g} s"
-        if record.outcome != "completed":
-            record.ended_at = trio.current_time()  # its connection is closed by now
-
-
-async def _read(
+async def read_events(
     client: httpx.AsyncClient,
-    target: Target,
+    path: str,
     body: dict[str, Any],
-    phase: Phase,
-    rule: LeaveRule,
-    record: Visit,
-    trace: dict[str, Any],
+    stream: Stream,
+    on_event: Callable[[str], bool],
+    *,
+    extensions: dict[str, Any] | None = None,
+    reuse: bool = False,
 ) -> None:
-    path = API_PATHS[target.api]
-    request = {"json": body, "extensions": trace}
+    """POST ``body`` to ``path`` and read the answer's events into ``on_event`` (each data
+    event's text, ``[DONE]`` aside) until it returns True, the answer ends, or the caller
+    cancels; ``BadAnswer`` for a failed call or a line too long.
+
+    ``reuse``: read on past ``[DONE]`` (and an error page to its end) so that the
+    connection, read to the end of the answer, can serve the client's next request;
+    otherwise the read stops there, and leaving the answer unread closes it.
+    """
+    request = {"json": body, "extensions": extensions or {}}
     async with stream_lines(client, "POST", path, max_line=MAX_LINE_BYTES, **request) as (
         response,
         lines,
     ):
-        if response.status_code != 200:
-            head = ""
-            async for line in lines:  # the start of the error page, not all of it
-                head += line
-                if len(head) >= 200:
-                    break
-            record.error = f"HTTP {response.status_code}: {head[:200]}"
+        stream.status = response.status_code
+        if stream.status != 200:
+            async for line in lines:
+                stream.head = (stream.head + line)[:_HEAD]
+                if len(stream.head) >= _HEAD and not reuse:
+                    return
             return
         async for line in lines:
-            if not line.startswith("data:"):
-                continue  # a comment (SSE heartbeat), a blank line, an event name
+            if stream.done or not line.startswith("data:"):
+                continue  # past [DONE]; a comment (SSE heartbeat), a blank line, an event name
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":
-                break
-            event = parse_json(data)
-            if event is None and data != "null":
-                raise ValueError(f"an event that is not JSON (or nested too deep): {data[:100]!r}")
-            if isinstance(event, dict) and "error" in event:
-                record.error = f"error event: {str(event['error'])[:200]}"
-                return
-            new = _new_tokens(target.api, event, record.tokens)
-            if new:
-                record.tokens += new
-                record.token_times.append(trio.current_time())
-                if _leaves_now(phase, rule, record):
-                    record.outcome = "left"
-                    return  # leaving the block closes the unfinished response's connection
-        record.outcome, record.ended_at = "completed", trio.current_time()
-
-
-def _leaves_now(phase: Phase, rule: LeaveRule, record: Visit) -> bool:
-    """After a token event: whether the client goes now (a token that comes before the
-    ``before_first_token`` delay is the moment too: that client is counted as early)."""
-    if phase.leave in ("first_token", "before_first_token", "after_send"):
-        return True
-    return phase.leave == "mid_stream" and len(record.token_times) >= rule.chunks
-
-
-def _new_tokens(api: Api, event: Any, seen: int) -> int:
-    if not isinstance(event, dict):
-        return 0
-    if api == "sglang-generate":
-        meta = event.get("meta_info")
-        completion = meta.get("completion_tokens") if isinstance(meta, dict) else None
-        if isinstance(completion, int):
-            return max(0, completion - seen)
-        return 1 if event.get("text") else 0
-    choices = event.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    choice = choice if isinstance(choice, dict) else {}
-    if api == "openai-completions":
-        return 1 if choice.get("text") else 0
-    delta = choice.get("delta") or {}
-    return 1 if delta.get("content") or delta.get("reasoning_content") else 0
-
-
-async def discover_model(target: Target) -> str:
-    """The first model ``/v1/models`` lists, which SGLang, vLLM, Dynamo and serve all answer."""
-    async with target.client() as client:
-        try:
-            answer = await read_answer(
-                client, "GET", "/v1/models", max_bytes=1 << 20, within=target.timeout
-            )
-        except BadAnswer as exc:
-            raise LookupError(str(exc)) from exc
-    if not answer.ok:
-        raise LookupError(f"{target.url}/v1/models answered HTTP {answer.status}")
-    listing = answer.json()
-    models = listing.get("data") if isinstance(listing, dict) else None
-    first = models[0] if isinstance(models, list) and models else None
-    if not isinstance(first, dict) or "id" not in first:
-        raise LookupError(f"{target.url}/v1/models lists no model: name one with --model")
-    return str(first["id"])
+                stream.done, stream.ended_at = True, trio.current_time()
+                if not reuse:
+                    return
+            elif on_event(data):
+                return  # leaving the block closes the unfinished answer's connection
+        if not stream.done:
+            stream.ended_at = trio.current_time()

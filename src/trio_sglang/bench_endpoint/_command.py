@@ -16,12 +16,12 @@ from pathlib import Path
 import trio
 
 from .._limits import API_KEY_ENV
-from ._clients import Target
 from ._phases import ALL_PHASES, parse_phases
 from ._plot import plot
 from ._report import Report, compare_table, load, table
 from ._run import Plan, Refused, run_bench
 from ._servers import kind_from_option
+from ._visits import Target
 
 __all__ = ["Refused", "plan_from_options", "run_command"]
 

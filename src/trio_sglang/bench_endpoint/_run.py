@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from ._clients import LeaveRule, Target, Visit, discover_model, visit
 from ._deconvolve import attribute_releases
 from ._phases import Phase
 from ._prometheus import parse_series
 from ._report import PhaseResult, Report, percentile
 from ._sampler import Sample, Sampler, ScrapeFailed, scrape
 from ._servers import ServerKind, detect_kind
+from ._visits import LeaveRule, Target, Visit, discover_model, visit
 
 __all__ = ["Plan", "Refused", "run_bench"]
 

@@ -25,10 +25,10 @@ from typing import Any, Literal, Protocol
 
 import trio
 
-from .._context import RequestContext
-from .._drain import Drain
+from .._core._context import RequestContext
+from .._core._drain import Drain
+from .._core._worker import Worker
 from .._errors import EngineError, EngineShutdown, InvalidRequest
-from .._worker import Worker
 from ._exchange import Exchange
 from ._mapping import TOKENS
 from ._translation import InputMode

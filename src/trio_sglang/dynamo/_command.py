@@ -10,8 +10,8 @@ from pathlib import Path
 
 import trio
 
+from .._core._policy import AbortPolicy
 from .._engines import EngineOptions, open_engine
-from .._policy import AbortPolicy
 from ..server._run import ForcedShutdown, ShutdownSignals
 from ._config import SIM_MODEL_PATH, DynamoEndpoint, RuntimePlanes
 from ._hosts import AsyncioHost, HostKind, run_hosted

@@ -18,7 +18,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from .._worker import Worker
+from .._core._worker import Worker
 from ..server import ServerMetrics
 from ._bridge import Outcome
 

@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import trio
 
+from .._core._observer import WorkerObserver
+from .._core._policy import AbortPolicy
+from .._core._worker import Worker, open_worker
 from .._engine import Engine
-from .._observer import WorkerObserver
-from .._policy import AbortPolicy
-from .._worker import Worker, open_worker
 from ._bridge import RequestBridge, RequestsObserver
 from ._config import DynamoEndpoint, RuntimePlanes
 from ._hosts import AsyncioHost

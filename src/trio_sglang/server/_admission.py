@@ -28,7 +28,7 @@ import hmac
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeGuard
 
-from .._disagg import PrefillPeer
+from .._core._disagg import PrefillPeer
 from .._limits import Address, ServerLimits, parse_address
 from ._asgi import Scope
 from ._errors import HTTPError

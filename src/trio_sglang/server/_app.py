@@ -19,14 +19,14 @@ from typing import Any
 
 import trio
 
-from .._context import RequestContext
-from .._disagg import PrefillPeer
+from .._core._context import RequestContext
+from .._core._disagg import PrefillPeer
+from .._core._worker import PreparedRequest, ResponseStream, Worker
 from .._engine import ChatTemplating
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
 from .._protocol import ChatPlan, CompletionPlan, NativePlan, OpenAIPlan, Plan, sse_event
-from .._worker import PreparedRequest, ResponseStream, Worker
 from ._admission import Admission, Refused
 from ._asgi import (
     SSE_DONE,

@@ -26,7 +26,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ASGIFramework
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-from .._drain import Drain
+from .._core._drain import Drain
 from .._limits import ServerLimits
 from ._app import ServerApp
 from ._connection import ClientConnection, DropLog

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._context import RequestContext
+from .._core._context import RequestContext
 from ._errors import HTTPError
 
 __all__ = ["InFlight", "abort_target"]

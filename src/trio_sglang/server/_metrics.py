@@ -16,8 +16,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from .._faults import EngineFault
-from .._worker import Worker
+from .._core._faults import EngineFault
+from .._core._worker import Worker
 
 __all__ = ["CancelPhase", "CountsEvents", "RefusalReason", "SchedulerLoad", "ServerMetrics"]
 

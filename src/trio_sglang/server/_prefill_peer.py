@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from .._bounded_http import Answer, BadAnswer, read_answer
-from .._disagg import PrefillFailed
+from .._core._disagg import PrefillFailed
 
 __all__ = ["HTTPPrefill"]
 

@@ -21,12 +21,12 @@ from functools import partial
 import trio
 from hypercorn.config import Config
 
-from .._disagg import PrefillPeer
+from .._core._disagg import PrefillPeer
+from .._core._policy import AbortPolicy
+from .._core._worker import Worker, open_worker
 from .._engine import Engine
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
-from .._policy import AbortPolicy
-from .._worker import Worker, open_worker
 from ._app import ServerApp
 from ._http import HTTPServer
 from ._metrics import ServerMetrics

@@ -31,10 +31,10 @@ from typing import Any, Protocol
 
 import trio
 
-from ._engine import Role
-from ._errors import InvalidRequest
+from .._engine import Role
+from .._errors import InvalidRequest
+from .._request import ParsedRequest
 from ._faults import FaultLog
-from ._request import ParsedRequest
 
 __all__ = [
     "CANCEL_ANYTIME",

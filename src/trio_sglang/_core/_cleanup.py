@@ -27,9 +27,9 @@ from typing import Any, TypeVarTuple
 
 import trio
 
+from .._engine import Engine, EngineStream, RequestPhase
+from .._errors import EngineShutdown
 from ._cleanup_group import CleanupGroup
-from ._engine import Engine, EngineStream, RequestPhase
-from ._errors import EngineShutdown
 from ._faults import EngineFault, FaultLog
 from ._observer import WorkerObserver
 from ._policy import AbortPolicy

@@ -31,9 +31,9 @@ from typing import Any
 
 import trio
 
+from .._errors import EngineShutdown
 from ._cleanup import EngineCleanup, EngineRequest
 from ._cleanup_group import CleanupGroup
-from ._errors import EngineShutdown
 from ._policy import AbortPolicy
 
 __all__ = ["EnginePump"]

@@ -39,6 +39,10 @@ from typing import Any
 
 import trio
 
+from .._engine import Engine, EngineFeatures, Role
+from .._errors import EngineError, EngineShutdown, InvalidRequest
+from .._fields import check_honoured
+from .._request import OutputMode, ParsedRequest, parse_request
 from ._capabilities import build_capabilities
 from ._cleanup import EngineCleanup, EngineRequest
 from ._cleanup_group import CleanupGroup, open_cleanup_group
@@ -51,16 +55,12 @@ from ._disagg import (
     peer_cancels_anytime,
 )
 from ._drain import Drain
-from ._engine import Engine, EngineFeatures, Role
-from ._errors import EngineError, EngineShutdown, InvalidRequest
 from ._faults import FaultLog
-from ._fields import check_honoured
 from ._ids import mint_rid
 from ._observer import WorkerObserver
 from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
 from ._pump import EnginePump
-from ._request import OutputMode, ParsedRequest, parse_request
 
 __all__ = ["PreparedRequest", "ResponseStream", "Worker", "open_worker"]
 
@@ -296,8 +296,14 @@ class Worker:
         native field (``sampling_params.min_new_tokens``) to the caller's name
         for it (``min_tokens``): a refusal of a field names it in the caller's words.
         """
+        return PreparedRequest(*self._check(request, output, names or {}), self)
+
+    def _check(
+        self, request: Mapping[str, Any], output: OutputMode, names: Mapping[str, str]
+    ) -> tuple[ParsedRequest, bool]:
+        """The request parsed and checked for this worker; whether it runs a prefill leg."""
         parsed = parse_request(request, output)
-        check_honoured(parsed.body, self._features, names or {})
+        check_honoured(parsed.body, self._features, names)
         if (
             parsed.batch_size is not None
             and parsed.n > 1
@@ -307,7 +313,7 @@ class Worker:
                 "this engine cannot run parallel sampling (n > 1) on a native batch; "
                 "send one prompt per request"
             )
-        return PreparedRequest(parsed, needs_prefill_leg(self.role, parsed, self._prefill), self)
+        return parsed, needs_prefill_leg(self.role, parsed, self._prefill)
 
     @asynccontextmanager
     async def generate(
@@ -327,14 +333,13 @@ class Worker:
         """
         if isinstance(request, PreparedRequest):
             request.check_for(self, output)
-            prepared = request
+            parsed, prefill_leg = request.parsed, request.prefill_leg
         else:
-            prepared = self.prepare(request, output)
+            parsed, prefill_leg = self._check(request, output, {})
         if not isinstance(ctx, RequestContext):
             raise InvalidRequest(f"ctx must be a RequestContext, got {type(ctx).__name__}")
-        parsed = prepared.parsed
         bootstrap = None
-        if prepared.prefill_leg:
+        if prefill_leg:
             assert self._prefill is not None  # a prefill leg needs the worker's peer
             bootstrap = new_bootstrap(self._prefill)
         if self._streams.closed:

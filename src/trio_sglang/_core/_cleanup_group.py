@@ -22,7 +22,7 @@ from typing import TypeVarTuple
 
 import trio
 
-from ._errors import EngineShutdown
+from .._errors import EngineShutdown
 
 __all__ = ["CleanupGroup", "open_cleanup_group"]
 

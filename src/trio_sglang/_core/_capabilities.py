@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._engine import EngineFeatures
-from ._version import __version__
+from .._engine import EngineFeatures
+from .._version import __version__
 
 __all__ = ["SCHEMA_VERSION", "build_capabilities"]
 
