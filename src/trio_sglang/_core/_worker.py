@@ -2,10 +2,11 @@
 
 One request's life, top to bottom:
 
-1. ``generate`` checks the request, and that the engine honours every field
-   it asks for (``InvalidRequest`` before anything reaches the engine), mints
-   the internal rids, and opens the caller's block inside a cancel scope that
-   ``ctx.stop()``/``ctx.kill()`` and the worker's shutdown cancel.
+1. ``generate`` checks the request (or takes what ``prepare`` checked), and
+   that the engine honours every field it asks for (``InvalidRequest``
+   before anything reaches the engine), mints the internal rids, and opens
+   the caller's block inside a cancel scope that ``ctx.stop()``/``ctx.kill()``
+   and the worker's shutdown cancel.
 2. The caller pulls. Requests whose engine ids are known in advance (one
    prompt, or a native batch) on an engine whose close releases them are
    read by the caller's own task; the others by an ``EnginePump`` in the
@@ -22,8 +23,12 @@ One request's life, top to bottom:
 
 The shape follows hypercorn's trio worker: the engine is entered first, the
 ``CleanupGroup`` is opened after it and closed before it, and leaving the
-worker ends every open stream, then gives their cleanup what is left of the
-grace as a deadline, and only then lets the engine close.
+worker ends every open stream (its ``Drain``), then gives their cleanup what
+is left of the grace as a deadline, and only then lets the engine close.
+
+``Worker`` and ``ResponseStream`` are friends, and this module is the only
+place where one calls the other's private methods: a stream hands its engine
+side to its worker's cleanup, and the worker ends its streams at shutdown.
 """
 
 from __future__ import annotations
