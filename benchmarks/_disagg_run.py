@@ -24,7 +24,7 @@ import trio.testing
 import trio_sglang as ts
 from _approaches import Approach, StreamRecord
 from _disagg_approaches import PDFirstResponse, PDPair, PDTiming, open_pd_pair
-from _report import Progress
+from _output import Progress
 
 __all__ = ["Client", "ClientPlan", "RunData", "Workload", "run_approach"]
 

@@ -63,8 +63,9 @@ from _load_hostile import repeat
 from _load_metrics import Scrape
 from _load_report import exit_check, pairs, seconds, zero
 from _load_server import ServerProcess, open_server
-from _report import Target, wrap
+from _output import wrap
 from _stats import percentiles
+from _verdict import Target
 
 __all__ = [
     "ANSWERS",

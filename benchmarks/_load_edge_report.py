@@ -23,7 +23,7 @@ from _load_config import EdgeConfig
 from _load_hostile import Holds, HostileTally
 from _load_report import LoadReport, cores, mib, ms, pairs, seconds, zero
 from _load_run import Run
-from _report import table, wrap
+from _output import table, wrap
 from _stats import percentiles
 from _verdict import QUIET_LOAD_PER_CORE, MachineState, Target, judge_machine
 
@@ -79,13 +79,8 @@ class EdgeReport:
 
     def _machine_line(self) -> str:
         machine = self.machine
-        head = (
-            f"machine quiet (load {machine.load:.2f} on {machine.cores} cores)"
-            if machine.quiet
-            else machine.verdict
-        )
         return (
-            f"{head}; the ITL target is judged only when others' load average stays <= "
+            f"{machine.head}; the ITL target is judged only when others' load average stays <= "
             f"{QUIET_LOAD_PER_CORE * machine.cores:g} (the rule's OS-stall part is not "
             "measured in a load run)"
         )

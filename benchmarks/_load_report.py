@@ -16,8 +16,8 @@ from _load_clients import ENDPOINTS, LEFT, Outcome, Tally
 from _load_config import Config
 from _load_metrics import Scrape, bucket_delta, histogram_quantile
 from _load_rss import RssTrace
-from _report import Target
 from _stats import Stats, percentiles
+from _verdict import Target
 
 __all__ = ["LoadReport", "cores", "exit_check", "mib", "ms", "pairs", "seconds", "zero"]
 

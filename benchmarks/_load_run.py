@@ -25,7 +25,7 @@ from _load_metrics import Scrape
 from _load_report import LoadReport, mib
 from _load_rss import RssTrace
 from _load_server import ServerProcess, open_server
-from _report import Progress
+from _output import Progress
 
 __all__ = ["Beside", "Phase", "Run", "progress_steps", "run_server"]
 

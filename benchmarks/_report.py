@@ -1,10 +1,10 @@
-"""What a person reads and keeps: the progress bar, the tables, the targets, the files.
+"""What the cancel-latency benchmark says: its ratios, its nine targets, its tables.
 
 stdout opens with what a person wants first: trio-sglang against the two
 baselines as ratios measured in the same run, then the targets with their
-verdicts, then the detail tables. Every table fits in 100 columns. Each run
-also writes its own folder (``results_folder``): ``results.json``,
-``latency.png`` and ``summary.md``.
+verdicts, then the detail tables. Every table fits in 100 columns. The run's
+folder holds ``results.json``, ``latency.png`` and ``summary.md``; the tables,
+the progress bar and the files are every benchmark's (``_output.py``).
 
 The targets are this run's, so they live with its ``Report``; when a time
 target may be judged is the rule every benchmark shares (``_verdict.py``).
@@ -12,80 +12,21 @@ target may be judged is the rule every benchmark shares (``_verdict.py``).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import textwrap
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from _metrics import CellResult
+from _output import markdown_table, table, target_lines, wrap
 from _stats import percentiles
 from _verdict import MachineState, Target, fmt_ms, judge_machine
 
 __all__ = [
-    "WIDTH",
-    "Progress",
     "Report",
-    "Target",
-    "add_file_options",
     "format_report",
-    "markdown_table",
-    "results_folder",
     "summary_markdown",
-    "table",
     "targets",
-    "wrap",
-    "write_json",
 ]
-
-#: The widest line a table or a paragraph on stdout may have.
-WIDTH = 100
-#: Where a run's folder goes, under the current directory: ``bench-results/<UTC time>/``.
-RESULTS_ROOT = Path("bench-results")
-STAMP = "%Y-%m-%dT%H-%M-%SZ"
-
-
-class Progress:
-    """A one-line progress bar on stderr: steps done, elapsed time, what runs now.
-
-    On a terminal the line is redrawn in place; elsewhere (CI logs) each step
-    gets its own line, so the log still shows how far it got.
-    """
-
-    WIDTH = 24
-
-    def __init__(self, total: int, stream: TextIO | None = None) -> None:
-        self._total = max(1, total)
-        self._done = 0
-        self._stream = sys.stderr if stream is None else stream
-        self._tty = self._stream.isatty()
-        self._started = time.perf_counter()
-
-    def start(self, label: str) -> None:
-        filled = self.WIDTH * self._done // self._total
-        bar = "#" * filled + "-" * (self.WIDTH - filled)
-        elapsed = time.perf_counter() - self._started
-        line = f"[{bar}] {self._done}/{self._total} {elapsed:6.1f} s  {label}"
-        if self._tty:
-            self._stream.write(f"\r\x1b[K{line}")
-        else:
-            self._stream.write(f"{line}\n")
-        self._stream.flush()
-
-    def step_done(self) -> None:
-        self._done += 1
-
-    def finish(self) -> None:
-        if self._tty:
-            self._stream.write("\r\x1b[K")
-        elapsed = time.perf_counter() - self._started
-        self._stream.write(f"done: {self._done} steps in {elapsed:.1f} s\n")
-        self._stream.flush()
 
 
 @dataclass(slots=True)
@@ -139,112 +80,6 @@ class Report:
             "runtime_s": round(self.runtime_s, 1),
             "cpu_s": round(self.cpu_s, 1),
         }
-
-
-def cores() -> int:
-    """The cores this process may run on (a container's CPU set, not the host's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-# -- the files -----------------------------------------------------------------------
-
-
-def results_folder(out: Path | None = None) -> Path:
-    """``out`` (created if needed), or a new ``bench-results/<UTC time>/`` of this run's own."""
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        return out
-    stamp = time.strftime(STAMP, time.gmtime())
-    for attempt in range(1, 100):
-        folder = RESULTS_ROOT / (stamp if attempt == 1 else f"{stamp}-{attempt}")
-        try:
-            folder.mkdir(parents=True)
-        except FileExistsError:
-            continue
-        return folder
-    raise FileExistsError(f"{RESULTS_ROOT / stamp}: 99 runs in one second")
-
-
-def add_file_options(parser: argparse.ArgumentParser, files: str) -> None:
-    """``--out DIR`` (the run's folder, for ``files``) and ``--json PATH`` (an override)."""
-    parser.add_argument(
-        "--out",
-        type=Path,
-        metavar="DIR",
-        help=f"the folder for {files} (default: a new {RESULTS_ROOT}/<UTC time>/)",
-    )
-    parser.add_argument(
-        "--json", type=Path, metavar="PATH", help="write the JSON here instead (default DIR)"
-    )
-
-
-def write_json(report: Report, path: Path, machine: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(machine), indent=2) + "\n")
-
-
-# -- text: tables and paragraphs that fit in WIDTH columns ----------------------------
-
-
-def wrap(text: str, hang: int = 0) -> list[str]:
-    """``text`` in lines of at most ``WIDTH``; lines after the first indented by ``hang``."""
-    return textwrap.wrap(text, WIDTH, subsequent_indent=" " * hang) or [""]
-
-
-def table(
-    header: Sequence[str],
-    rows: Sequence[Sequence[str] | str],
-    *,
-    align: str = "",
-    groups: Sequence[tuple[str, int]] = (),
-) -> list[str]:
-    """Columns two spaces apart; a ``str`` in ``rows`` is a heading line across the table.
-
-    ``align``: one ``l`` or ``r`` per column (default: the first left, the rest
-    right). ``groups``: (label, columns) spans, centred on a line above the header.
-    """
-    cells = [row for row in rows if not isinstance(row, str)]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *cells, strict=True)]
-    align = align or "l" + "r" * (len(header) - 1)
-
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(
-            cell.ljust(width) if side == "l" else cell.rjust(width)
-            for cell, width, side in zip(row, widths, align, strict=True)
-        ).rstrip()
-
-    lines = []
-    if groups:
-        spans, first = [], 0
-        for label, count in groups:
-            span = sum(widths[first : first + count]) + 2 * (count - 1)
-            spans.append(label.center(span) if label else " " * span)
-            first += count
-        lines.append("  ".join(spans).rstrip())
-    lines += [line(header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
-    lines += [row if isinstance(row, str) else line(row) for row in rows]
-    return lines
-
-
-#: A space that ``textwrap`` does not break at (it splits at ASCII whitespace only).
-_KEEP = "\N{NO-BREAK SPACE}"
-
-
-def _target_lines(target: Target) -> list[str]:
-    """The target's line, wrapped between its parts rather than inside a figure."""
-    text = target.line(keep=lambda part: part.replace(" ", _KEEP))
-    return [line.replace(_KEEP, " ") for line in wrap(text, hang=15)]
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return [
-        f"| {' | '.join(header)} |",
-        f"|{'|'.join(' --- ' for _ in header)}|",
-        *(f"| {' | '.join(row)} |" for row in rows),
-    ]
 
 
 # -- the nine targets ------------------------------------------------------------------
@@ -558,7 +393,7 @@ def format_report(report: Report) -> str:
         *_ratio_table(report.cells),
         "",
         "targets (counts judged always; times only on a quiet machine):",
-        *(line for target in report.judged_targets() for line in _target_lines(target)),
+        *target_lines(report.judged_targets()),
         *wrap(report.machine_state.line()),
         "",
         *wrap(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from _report import markdown_table, table, wrap
+from _output import markdown_table, table, target_lines, wrap
 from _sse_client import Reading
 from _verdict import MachineState, Target, judge_machine
 
@@ -283,10 +283,10 @@ class ThroughputReport:
             *self._sglang_lines(),
             "",
             "targets and checks:",
-            *(line for target in self.targets() for line in wrap(target.line(), hang=15)),
+            *target_lines(self.targets()),
             "",
             *wrap(
-                f"{_machine_line(machine)}; load average {self.load_average[0]:.2f} before, "
+                f"{machine.head}; load average {self.load_average[0]:.2f} before, "
                 f"{self.load_average[1]:.2f} after; runtime {self.runtime_s:.1f} s"
             ),
         ]
@@ -339,7 +339,7 @@ class ThroughputReport:
                 "## Serving throughput",
                 "",
                 f"`serve` against the floor, {self.config['endpoint']}, "
-                f"{self.config['rate']:,.0f} tokens/s offered; {_machine_line(self.machine())}.",
+                f"{self.config['rate']:,.0f} tokens/s offered; {self.machine().head}.",
                 "",
                 *markdown_table(header, rows),
                 "",
@@ -368,12 +368,6 @@ class ThroughputReport:
             "targets": [target.to_json() for target in self.targets()],
             "passed": self.passed,
         }
-
-
-def _machine_line(machine: MachineState) -> str:
-    if machine.quiet:
-        return f"machine quiet (load {machine.load:.2f} on {machine.cores} cores)"
-    return machine.verdict
 
 
 def _us(value: float | None) -> str:

@@ -70,14 +70,17 @@ class MachineState:
         )
         return f"not judged: machine busy (load {self.load:.2f} on {self.cores} cores{stall})"
 
+    @property
+    def head(self) -> str:
+        """Quiet or busy, in a few words: ``machine quiet (load X on N cores)`` or ``verdict``."""
+        if self.quiet:
+            return f"machine quiet (load {self.load:.2f} on {self.cores} cores)"
+        return self.verdict
+
     def line(self) -> str:
         limit = QUIET_LOAD_PER_CORE * self.cores
-        if self.quiet:
-            head = f"machine quiet (load {self.load:.2f} on {self.cores} cores)"
-        else:
-            head = self.verdict
         return (
-            f"{head}; time targets are judged only when others' load stays <= {limit:g} "
+            f"{self.head}; time targets are judged only when others' load stays <= {limit:g} "
             f"and no OS stall exceeds {QUIET_STALL_MS:g} ms (worst {self.worst_stall_ms:.1f} ms)"
         )
 

@@ -23,7 +23,6 @@ or ``--out DIR``) and prints their paths.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import importlib.util
 import io
@@ -31,7 +30,6 @@ import json
 import logging
 import math
 import os
-import platform
 import sys
 import time
 from collections import Counter
@@ -44,21 +42,12 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trio.testing import MockClock
 
-import trio_sglang as ts
 from _approaches import APPROACHES
 from _cells import CellPlan, run_at_once, run_cell
+from _output import Progress, add_file_options, cores, machine, results_folder, write_json
 from _overhead import memory_per_request, throughput_ratio
 from _phases import PHASES
-from _report import (
-    Progress,
-    Report,
-    add_file_options,
-    cores,
-    format_report,
-    results_folder,
-    summary_markdown,
-    write_json,
-)
+from _report import Report, format_report, summary_markdown
 from _shutdown import shutdown_time
 from _trio_floor import bare_trio_burst_ms
 from _verdict import judge_machine
@@ -314,25 +303,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     )
 
 
-def machine() -> dict[str, Any]:
-    memory = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            kib = int(meminfo.readline().split()[1])
-        memory = f"{kib / 2**20:.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "memory": memory,
-        "trio": trio.__version__,
-        "trio_sglang": ts.__version__,
-        "date": datetime.date.today().isoformat(),
-    }
-
-
 class _LogCounter(logging.Handler):
     """Counts the worker's log records by message template instead of printing them.
 
@@ -399,7 +369,7 @@ def save_results(
     """results.json, latency.png (when ``plot_path`` or matplotlib is there) and summary.md."""
     about = machine()
     written = [json_path or folder / "results.json"]
-    write_json(report, written[0], about)
+    write_json(written[0], report.to_json(about))
     if plot_path is not None or not _plot_error():
         from _plot import plot
 
@@ -450,8 +420,7 @@ def harness_main(args: argparse.Namespace) -> int:
         from _server_sweep import format_servers
 
         print(f"\n{format_servers(servers)}")
-    quiet = f"machine quiet (load {state.load:.2f} on {state.cores} cores)"
-    print(f"\n{quiet if state.quiet else state.verdict}")
+    print(f"\n{state.head}")
     if args.json is not None:
         loads = {"before": load_before, "after": load_after, "ours": own_load}
         report: dict[str, Any] = {

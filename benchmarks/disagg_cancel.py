@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import logging
 import sys
 import time
@@ -39,9 +38,19 @@ from typing import Any
 from _disagg_approaches import PD_APPROACHES
 from _disagg_metrics import HELD_AFTER, PHASES, ApproachResult, summarize
 from _disagg_run import PROGRESS_STEPS, Workload, run_approach
-from _report import Progress, add_file_options, markdown_table, results_folder, table, wrap
+from _output import (
+    Progress,
+    add_file_options,
+    append_summary,
+    machine,
+    markdown_table,
+    results_folder,
+    table,
+    wrap,
+    write_json,
+)
 from _stats import percentiles
-from cancel_latency import _LogCounter, machine
+from cancel_latency import _LogCounter
 
 __all__ = [
     "FULL",
@@ -364,13 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def save_results(report: Report, folder: Path, json_path: Path | None = None) -> list[Path]:
     """disagg.json, and this benchmark's section of summary.md (after cancel_latency's, if any)."""
-    path = json_path or folder / "disagg.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(machine()), indent=2) + "\n")
-    summary = folder / "summary.md"
-    with summary.open("a") as out:
-        out.write(("\n" if out.tell() else "") + summary_markdown(report))
-    return [path, summary]
+    path = write_json(json_path or folder / "disagg.json", report.to_json(machine()))
+    return [path, append_summary(folder, summary_markdown(report))]
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 
 from _dynamo_local import Deployment
+from _output import write_json
 from _stats import percentile, percentiles
 from _subprocesses import Process, free_port
 from _verdict import Target, fmt_ms, judge_machine
@@ -368,14 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     for target in verdicts:
         print(target.line())
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "timing": {"first_token_delay": FIRST_TOKEN_DELAY, "token_interval": TOKEN_INTERVAL},
             "machine": machine.to_json(),
             "workers": [run.to_json() for run in runs.values()],
             "targets": [target.to_json() for target in verdicts],
         }
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(args.json, record)
     return 0 if verdicts[-1].met else 1  # lost or leaked: a fault, not a figure
 
 

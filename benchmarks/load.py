@@ -27,7 +27,6 @@ answers), and compares what the normal clients saw (``_load_edge_report``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,8 +40,8 @@ from _load_edge_report import EdgeReport
 from _load_hostile import HostileTally, run_hostile
 from _load_report import LoadReport
 from _load_run import progress_steps, run_server
-from _report import Progress
-from cancel_latency import machine
+from _output import Progress, machine, write_json
+from trio_sglang._cli_fields import positive_int
 
 __all__ = ["main", "run_edge", "run_load"]
 
@@ -94,13 +93,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _share(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -136,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(non-readers, tricklers, zero-window HTTP/2 clients, bad KV peers), on one server "
         "with short client bounds (default load)",
     )
-    parser.add_argument("--clients", type=_count, help=f"default {defaults.clients}")
+    parser.add_argument("--clients", type=positive_int, help=f"default {defaults.clients}")
     parser.add_argument(
         "--duration", type=_seconds, help=f"seconds (default {defaults.duration:g})"
     )
@@ -153,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the SimEngine's seconds between tokens (default {defaults.token_interval:g})",
     )
     parser.add_argument(
-        "--max-tokens", type=_count, help=f"tokens per request (default {defaults.max_tokens})"
+        "--max-tokens",
+        type=positive_int,
+        help=f"tokens per request (default {defaults.max_tokens})",
     )
     for name, what in (
         ("nonreaders", "streaming clients that never read their answer"),
@@ -223,8 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = trio.run(run_load, config, progress)
     progress.finish()
     print(report.format())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(machine()), indent=2) + "\n")
+    write_json(path, report.to_json(machine()))
     print(f"\nJSON: {path}")
     return 0 if report.passed else 1
 

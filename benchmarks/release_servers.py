@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from _http_servers_cpu import SLOW_PROMPT
+from _output import write_json
 from _server_sweep import close_after
 from _subprocesses import Process, wait_until
 
@@ -206,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(Path(folder), args.repeats)
     print(format_rows(rows))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(args.json, rows)
     return 0
 
 

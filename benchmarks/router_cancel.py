@@ -48,6 +48,8 @@ from typing import Any
 
 import httpx
 
+from _output import table, write_json
+
 __all__ = ["Config", "Trial", "main", "run_benchmark"]
 
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
@@ -365,15 +367,12 @@ def format_report(report: Report) -> str:
         for via in VIAS:
             label = f"{_heartbeats(heartbeat)}, {via}"
             rows.append((label, *(_seconds(report.cell(heartbeat, via, p)) for p in PHASES)))
-    widths = [max(len(r[i]) for r in [("", *heads), *rows]) for i in range(3)]
     lines = [
         f"client leaves -> the worker holds nothing, seconds (median / max of {c.repeat});",
         f"it leaves {c.dwell:g} to {c.dwell + c.heartbeat:g} s after the headers "
         "(or the first token)",
-        "  ".join(h.ljust(w) for h, w in zip(("", *heads), widths, strict=True)).rstrip(),
-        "-" * (sum(widths) + 4),
+        *table(("", *heads), rows, align="lll"),
     ]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
 
 
@@ -416,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"runtime {time.monotonic() - started:.1f} s")
     if args.json is not None:
         data = {"config": asdict(config), "trials": [asdict(t) for t in report.trials]}
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        write_json(args.json, data)
         print(f"wrote {args.json}")
     return 1 if report.failed else 0
 

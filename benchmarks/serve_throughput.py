@@ -46,10 +46,18 @@ from pathlib import Path
 import trio
 
 from _load_server import ServerProcess, open_server
-from _report import Progress, add_file_options, results_folder
+from _output import (
+    Progress,
+    add_file_options,
+    append_summary,
+    cores,
+    machine,
+    results_folder,
+    write_json,
+)
 from _sse_client import Reading, reading_from
 from _throughput_report import SERVERS, Cell, Server, ThroughputReport
-from cancel_latency import machine
+from trio_sglang._cli_fields import positive_int
 from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = ["FULL", "QUICK", "Config", "build_parser", "main", "record_events", "run_benchmark"]
@@ -215,7 +223,7 @@ async def _servers(
 async def run_benchmark(config: Config, progress: Progress) -> ThroughputReport:
     report = ThroughputReport(
         config={**asdict(config), "streams": list(config.streams)},
-        cores=len(os.sched_getaffinity(0)),
+        cores=cores(),
         intervals={streams: config.interval(streams) for streams in config.streams},
     )
     load_before = os.getloadavg()[0]
@@ -256,13 +264,6 @@ def progress_steps(config: Config) -> int:
 # -- the command line ---------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -288,19 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the default size, {FULL.rounds} rounds of {FULL.window:g} s per cell (for nox "
         "-s bench -- --full)",
     )
-    parser.add_argument("--streams", type=_positive_int, nargs="+", help="default 10 100 1000")
+    parser.add_argument("--streams", type=positive_int, nargs="+", help="default 10 100 1000")
     parser.add_argument(
         "--rate", type=_positive_float, help=f"tokens/s offered in all (default {FULL.rate:g})"
     )
     parser.add_argument(
-        "--max-tokens", type=_positive_int, help=f"per request (default {FULL.max_tokens})"
+        "--max-tokens", type=positive_int, help=f"per request (default {FULL.max_tokens})"
     )
     parser.add_argument(
         "--endpoint",
         choices=("/v1/chat/completions", "/v1/completions", "/generate"),
         help=f"default {FULL.endpoint}",
     )
-    parser.add_argument("--rounds", type=_positive_int, help=f"default {FULL.rounds}")
+    parser.add_argument("--rounds", type=positive_int, help=f"default {FULL.rounds}")
     parser.add_argument("--warmup", type=_positive_float, help=f"s (default {FULL.warmup:g})")
     parser.add_argument("--window", type=_positive_float, help=f"s (default {FULL.window:g})")
     parser.add_argument(
@@ -333,12 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = trio.run(run_benchmark, config, progress)
     progress.finish()
     print(report.format())
-    path = args.json or folder / "serve_throughput.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(machine()), indent=2) + "\n")
-    summary = folder / "summary.md"
-    with summary.open("a") as out:
-        out.write(("\n" if out.tell() else "") + report.markdown())
+    path = write_json(args.json or folder / "serve_throughput.json", report.to_json(machine()))
+    summary = append_summary(folder, report.markdown())
     print(f"\nfiles:\n  {path}\n  {summary}")
     return 0 if report.passed else 1
 

@@ -47,7 +47,7 @@ def load() -> Iterator[Any]:
         import _load_hostile
         import _load_metrics
         import _load_report
-        import _report
+        import _output
         import load as runner
 
         yield SimpleNamespace(
@@ -57,7 +57,7 @@ def load() -> Iterator[Any]:
             hostile=_load_hostile,
             metrics=_load_metrics,
             report=_load_report,
-            progress=_report.Progress,
+            progress=_output.Progress,
             runner=runner,
         )
 

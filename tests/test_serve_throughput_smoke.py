@@ -29,13 +29,13 @@ def bench() -> Iterator[Any]:
     """The benchmark's modules, imported from benchmarks/ as the script imports them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
-        import _report
+        import _output
         import _sse_client
         import _sse_floor
         import serve_throughput
 
         yield SimpleNamespace(
-            client=_sse_client, floor=_sse_floor, runner=serve_throughput, report=_report
+            client=_sse_client, floor=_sse_floor, runner=serve_throughput, output=_output
         )
 
 
@@ -121,7 +121,7 @@ async def test_a_tiny_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixt
         streams=(3,), rate=300.0, max_tokens=4, rounds=1, warmup=0.3, window=0.6
     )
     steps = bench.runner.progress_steps(config)
-    report = await bench.runner.run_benchmark(config, bench.report.Progress(steps, io.StringIO()))
+    report = await bench.runner.run_benchmark(config, bench.output.Progress(steps, io.StringIO()))
     assert [(cell.server, cell.streams) for cell in report.cells] == [("serve", 3), ("floor", 3)]
     [row] = report.rows()
     for side in (row.serve, row.floor):
@@ -153,7 +153,7 @@ async def test_a_tiny_run_beside_sglangs_own_server(bench: Any) -> None:
         streams=(3,), rate=300.0, max_tokens=4, rounds=1, warmup=0.5, window=0.6, sglang=True
     )
     steps = bench.runner.progress_steps(config)
-    report = await bench.runner.run_benchmark(config, bench.report.Progress(steps, io.StringIO()))
+    report = await bench.runner.run_benchmark(config, bench.output.Progress(steps, io.StringIO()))
     [row] = report.rows()
     assert row.sglang is not None
     assert row.sglang.chunks > 0
