@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from pathlib import Path
 
 import trio
 import trio.testing
@@ -17,13 +18,14 @@ import trio.testing
 import trio_sglang as ts
 
 LIFECYCLE_FILES = (
-    "_worker.py",
-    "_pump.py",
-    "_cleanup.py",
-    "_cleanup_group.py",
-    "_faults.py",
-    "_context.py",
-    "_outputs.py",
+    "_core/_worker.py",
+    "_core/_pump.py",
+    "_core/_cleanup.py",
+    "_core/_cleanup_group.py",
+    "_core/_drain.py",
+    "_core/_faults.py",
+    "_core/_context.py",
+    "_core/_outputs.py",
 )
 REQUESTS = 10_000
 BATCH = 500
@@ -46,6 +48,9 @@ async def cancel_many(worker: ts.Worker, count: int) -> None:
 
 def lifecycle_memory(snapshot: tracemalloc.Snapshot) -> tuple[int, int]:
     """Bytes and blocks allocated by the lifecycle's modules and still alive."""
+    package = Path(ts.__file__).parent
+    missing = [name for name in LIFECYCLE_FILES if not (package / name).is_file()]
+    assert not missing, f"moved? the filter would match nothing: {missing}"
     filters = [tracemalloc.Filter(True, f"*trio_sglang/{name}") for name in LIFECYCLE_FILES]
     stats = snapshot.filter_traces(filters).statistics("filename")
     return sum(stat.size for stat in stats), sum(stat.count for stat in stats)

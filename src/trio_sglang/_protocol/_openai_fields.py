@@ -11,7 +11,7 @@ Every field of those models is in one of these tables, per route:
   checked as the lifecycle checks sampling parameters, in the client's words;
   ``response_format`` becomes ``json_schema`` or ``structural_tag``, as there;
 - ``_PASSED``: becomes the top-level field of the same name, for the engine,
-  which refuses what it does not honour (``Plan.check``);
+  which refuses what it does not honour (``Worker.prepare``, in the client's words);
 - ``_UNSUPPORTED``: asks for what this server does not do (log probabilities,
   tool calls, SGLang's own response extensions): a 400 that names it, unless it
   is null or SGLang's default, so it is never silently dropped;
