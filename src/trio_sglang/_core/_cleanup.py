@@ -28,7 +28,7 @@ from typing import Any, TypeVarTuple
 import trio
 
 from .._engine import Engine, EngineStream, RequestPhase
-from .._errors import EngineShutdown
+from .._errors import EngineError, EngineShutdown
 from ._cleanup_group import CleanupGroup
 from ._faults import EngineFault, FaultLog
 from ._observer import WorkerObserver
@@ -204,6 +204,31 @@ class EngineCleanup:
             timed_out = scope.cancelled_caught
         finally:
             self.end(request, timed_out=timed_out)
+
+    # -- engine faults the caller sees -----------------------------------------
+
+    def failed(self, request: EngineRequest, error: BaseException) -> EngineError:
+        """The engine's stream raised ``error``: logged whole, and the caller's error."""
+        self._faults.report(
+            "stream_error", request.public_id, request.unfinished(), repr(error), error=error
+        )
+        # The engine's own error may name internal ids: the caller gets its
+        # type (and ``__cause__``), the log gets the whole of it.
+        return EngineError(
+            f"the engine failed while generating {request.public_id} ({type(error).__name__})"
+        )
+
+    def stalled(self, request: EngineRequest) -> EngineError:
+        """No output within ``stall_timeout``: logged with the engine's phases, and the error."""
+        timeout = self._policy.stall_timeout
+        phases = ", ".join(self._engine.phase(rid).value for rid in request.unfinished())
+        self._faults.report(
+            "stream_stalled",
+            request.public_id,
+            request.unfinished(),
+            f"no output for {timeout}s (engine phase: {phases or 'unknown'})",
+        )
+        return EngineError(f"the engine sent no output for {request.public_id} in {timeout}s")
 
     # -- the steps ------------------------------------------------------------
 

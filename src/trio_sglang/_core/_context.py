@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-__all__ = ["RequestContext"]
+__all__ = ["RequestContext", "attach", "detach"]
 
 
 class RequestContext:
@@ -64,14 +64,21 @@ class RequestContext:
         for scope in self._scopes:
             scope.cancel()
 
-    def _attach(self, scope: trio.CancelScope) -> None:
-        self._scopes.add(scope)
-        if self.cancelled:
-            scope.cancel()
-
-    def _detach(self, scope: trio.CancelScope) -> None:
-        self._scopes.discard(scope)
-
     def __repr__(self) -> str:
         state = "killed" if self._killed else "stopped" if self._stopped else "active"
         return f"RequestContext({self._id!r}, {state})"
+
+
+# The worker's side of a context, friends of ``RequestContext`` in its own module:
+# while a stream's block is open, ``stop()`` and ``kill()`` cancel its scope.
+
+
+def attach(ctx: RequestContext, scope: trio.CancelScope) -> None:
+    """``scope`` ends with the context: at once if it already has."""
+    ctx._scopes.add(scope)
+    if ctx.cancelled:
+        scope.cancel()
+
+
+def detach(ctx: RequestContext, scope: trio.CancelScope) -> None:
+    ctx._scopes.discard(scope)

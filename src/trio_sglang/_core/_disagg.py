@@ -189,10 +189,10 @@ def _check_bootstrap(parsed: ParsedRequest, role: Role) -> None:
 class PrefillLeg:
     """One request's prefill leg, run by the worker beside the request's decode leg.
 
-    It runs in the worker's nursery, in its own ``scope``: the worker cancels
+    It runs in the worker's nursery, in its own ``scope``: ``end`` cancels
     that scope when the request ends, however it ends (if the peer can be
     cancelled at any time), or gives it ``cleanup_timeout`` to finish (if
-    not), and cancels it at shutdown after the grace. If the leg fails while
+    not), and the worker cancels it at shutdown after the grace. If the leg fails while
     the request is open, the decode leg can never get its KV cache: the leg
     cancels the request's scope (the caller's stream closes, and the decode
     leg stops as for a cancel) and ``error`` says why.
@@ -206,6 +206,9 @@ class PrefillLeg:
         rids: tuple[str, ...],
         request_scope: trio.CancelScope,
         faults: FaultLog,
+        *,
+        cancel_anytime: bool,
+        cleanup_timeout: float,
     ) -> None:
         self._peer = peer
         self._request = request
@@ -213,14 +216,26 @@ class PrefillLeg:
         self._rids = rids
         self._request_scope = request_scope
         self._faults = faults
+        #: Whether the peer stops a cancelled prefill in any queue (it advertises so).
+        self._cancel_anytime = cancel_anytime
+        self._cleanup_timeout = cleanup_timeout
         self.scope = trio.CancelScope()
         #: Set when the leg failed while the request was still open.
         self.error: Exception | None = None
         self._request_over = False
 
-    def request_ended(self) -> None:
-        """The caller's block is over: a failure from now on concerns nobody."""
+    def end(self) -> None:
+        """The request is over: stop the leg, or bound it if the peer cannot stop; idempotent.
+
+        A failure from now on concerns nobody.
+        """
         self._request_over = True
+        if self._cancel_anytime:
+            self.scope.cancel()
+        else:
+            self.scope.deadline = min(
+                self.scope.deadline, trio.current_time() + self._cleanup_timeout
+            )
 
     async def run(self) -> None:
         with self.scope:

@@ -26,9 +26,12 @@ The shape follows hypercorn's trio worker: the engine is entered first, the
 worker ends every open stream (its ``Drain``), then gives their cleanup what
 is left of the grace as a deadline, and only then lets the engine close.
 
-``Worker`` and ``ResponseStream`` are friends, and this module is the only
-place where one calls the other's private methods: a stream hands its engine
-side to its worker's cleanup, and the worker ends its streams at shutdown.
+A stream knows its worker only through what it is given at its start: the
+worker's ``EngineCleanup`` (which stops a request at the engine and reports
+what the caller sees of its faults) and ``CleanupGroup`` (which owns the
+prefill leg and the reader). The worker, for its part, is the stream's one
+friend: it closes a stream when its block ends and cancels its scope at
+shutdown (``_close``, ``_scope``), here in this module.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from .._request import OutputMode, ParsedRequest, parse_request
 from ._capabilities import build_capabilities
 from ._cleanup import EngineCleanup, EngineRequest
 from ._cleanup_group import CleanupGroup, open_cleanup_group
-from ._context import RequestContext
+from ._context import RequestContext, attach, detach
 from ._disagg import (
     PrefillLeg,
     PrefillPeer,
@@ -95,6 +98,8 @@ class ResponseStream:
     """The caller's stream: an async iterator of chunk dicts, public ids only."""
 
     __slots__ = (
+        "_cleanup",
+        "_group",
         "_ids",
         "_leg",
         "_next",
@@ -104,26 +109,28 @@ class ResponseStream:
         "_scope",
         "_stall_timeout",
         "_state",
-        "_worker",
     )
 
     def __init__(
         self,
-        worker: Worker,
+        cleanup: EngineCleanup,
+        group: CleanupGroup,
         request: EngineRequest,
         pump: EnginePump | None,
         leg: PrefillLeg | None,
         ids: PublicIds,
         output: OutputMode,
         scope: trio.CancelScope,
+        stall_timeout: float,
     ) -> None:
-        self._worker = worker
+        #: The worker's: who stops the request at the engine, and who owns its tasks.
+        self._cleanup = cleanup
+        self._group = group
         self._request = request
         self._pump = pump
         self._leg = leg
         # Bound once: the pull is the hot path (one call per token).
         self._next = request.stream.__anext__ if pump is None else pump.receive
-        stall_timeout = worker.policy.stall_timeout
         self._stall_timeout = None if stall_timeout == math.inf else stall_timeout
         self._ids = ids
         self._output: OutputMode = output
@@ -147,7 +154,11 @@ class ResponseStream:
             # A stream whose context was stopped before its first pull must
             # not touch the engine at all.
             await trio.lowlevel.checkpoint_if_cancelled()
-            self._worker._start_engine_side(self._pump, self._leg)
+            # The engine side beside the caller's pulls: the prefill leg, the reader.
+            if self._leg is not None:
+                self._group.start_soon(self._leg.run)
+            if self._pump is not None:
+                self._pump.start(self._group)
         elif self._state is not _OPEN:
             raise StopAsyncIteration
         self._state = _PULLING
@@ -165,7 +176,7 @@ class ResponseStream:
             failed = isinstance(exc, Exception) and not isinstance(
                 exc, EngineError | EngineShutdown
             )
-            error = self._worker._engine_failed(self._request, exc) if failed else None
+            error = self._cleanup.failed(self._request, exc) if failed else None
             self._close(pull_cancelled=isinstance(exc, trio.Cancelled))
             if error is not None:
                 raise error from exc
@@ -176,7 +187,7 @@ class ResponseStream:
     async def _pull_within_stall_timeout(self, stall_timeout: float) -> dict[str, Any]:
         with trio.move_on_after(stall_timeout):
             return await self._next()
-        raise self._worker._engine_stalled(self._request)
+        raise self._cleanup.stalled(self._request)
 
     async def aclose(self) -> None:
         """End the stream now; the engine-side cleanup goes on in the worker."""
@@ -189,7 +200,7 @@ class ResponseStream:
         await trio.lowlevel.checkpoint()
 
     def _close(self, *, pull_cancelled: bool = False) -> None:
-        """Hand the engine side over to the worker; a no-op once done.
+        """Hand the engine side over to the worker's cleanup; a no-op once done.
 
         Both legs stop here, when the stream closes (a cancelled pull closes
         it while the block may stay open for long), not at block exit.
@@ -201,11 +212,11 @@ class ResponseStream:
         if state is _NEW:
             return
         if self._leg is not None:
-            self._worker._end_prefill_leg(self._leg)
+            self._leg.end()
         if self._pump is not None:
             self._pump.consumer_left()
         else:
-            self._worker._engine_cleanup.hand_over(self._request, pull_cancelled=pull_cancelled)
+            self._cleanup.hand_over(self._request, pull_cancelled=pull_cancelled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,19 +384,36 @@ class Worker:
         if bootstrap is not None:
             assert self._prefill is not None
             leg = PrefillLeg(
-                self._prefill, {**parsed.body, **bootstrap}, ids.request, rids, scope, self._faults
+                self._prefill,
+                {**parsed.body, **bootstrap},
+                ids.request,
+                rids,
+                scope,
+                self._faults,
+                cancel_anytime=self._prefill_cancel_anytime,
+                cleanup_timeout=self._policy.cleanup_timeout,
             )
-        stream = ResponseStream(self, engine_request, pump, leg, ids, parsed.output, scope)
+        stream = ResponseStream(
+            self._engine_cleanup,
+            self._cleanups,
+            engine_request,
+            pump,
+            leg,
+            ids,
+            parsed.output,
+            scope,
+            self._policy.stall_timeout,
+        )
         self._streams.add(stream)
-        ctx._attach(scope)
+        attach(ctx, scope)
         try:
             with scope:
                 yield stream
         finally:
-            ctx._detach(scope)
+            detach(ctx, scope)
             stream._close()
             if leg is not None:  # again: a stream that finished leaves its leg to this
-                self._end_prefill_leg(leg)
+                leg.end()
             self._streams.discard(stream)
         if leg is not None and leg.error is not None:
             raise EngineError(
@@ -393,48 +421,6 @@ class Worker:
             ) from leg.error
         if self._streams.closed and scope.cancelled_caught:
             raise EngineShutdown("the worker shut down while the stream was open") from None
-
-    # -- engine-side work, in the CleanupGroup --------------------------------
-
-    def _start_engine_side(self, pump: EnginePump | None, leg: PrefillLeg | None) -> None:
-        """A stream's first pull: start its prefill leg and its reader, if it has them."""
-        if leg is not None:
-            self._cleanups.start_soon(leg.run)
-        if pump is not None:
-            pump.start(self._cleanups)
-
-    def _end_prefill_leg(self, leg: PrefillLeg) -> None:
-        """The request is over: stop its prefill leg, or bound it if the peer cannot stop."""
-        leg.request_ended()
-        if self._prefill_cancel_anytime:
-            leg.scope.cancel()
-        else:
-            leg.scope.deadline = min(
-                leg.scope.deadline, trio.current_time() + self._policy.cleanup_timeout
-            )
-
-    # -- engine faults seen by the caller -------------------------------------
-
-    def _engine_failed(self, request: EngineRequest, error: BaseException) -> EngineError:
-        self._faults.report(
-            "stream_error", request.public_id, request.unfinished(), repr(error), error=error
-        )
-        # The engine's own error may name internal ids: the caller gets its
-        # type (and ``__cause__``), the log gets the whole of it.
-        return EngineError(
-            f"the engine failed while generating {request.public_id} ({type(error).__name__})"
-        )
-
-    def _engine_stalled(self, request: EngineRequest) -> EngineError:
-        timeout = self._policy.stall_timeout
-        phases = ", ".join(self._engine.phase(rid).value for rid in request.unfinished())
-        self._faults.report(
-            "stream_stalled",
-            request.public_id,
-            request.unfinished(),
-            f"no output for {timeout}s (engine phase: {phases or 'unknown'})",
-        )
-        return EngineError(f"the engine sent no output for {request.public_id} in {timeout}s")
 
     # -- shutdown ------------------------------------------------------------
 
