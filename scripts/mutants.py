@@ -8,7 +8,7 @@ core survived and docs/mutants.md does not list it as equivalent.
 
 Two changes to what mutmut 3.8.1 mutates (patches of its internals: hence
 the exact pin). It leaves every decorated function alone, which here would
-leave out ``Worker.generate`` and ``open_worker``, the lifecycle's top; the
+leave out ``open_worker``, the lifecycle's top, and the worker's properties; the
 two decorators in ``WRAPPING`` only wrap a function (they neither register
 nor cache it), so its undecorated copies stand in for it exactly, and it
 mutates them. And it leaves the words of a message alone (a string literal
@@ -45,6 +45,7 @@ QUICK = (
     "trio_sglang._core._worker.xǁResponseStreamǁ[!_]*",
     "trio_sglang._core._worker.xǁResponseStreamǁ_[!_]*",
     "trio_sglang._core._worker.xǁResponseStreamǁ__anext__*",
+    "trio_sglang._core._worker.xǁGenerationǁ*",
     "trio_sglang._core._worker.xǁWorkerǁ_[!_]*",
     "trio_sglang._core._worker.xǁWorkerǁend_grace*",
     "trio_sglang._core._pump.*",

@@ -172,6 +172,46 @@ async def test_an_engine_that_does_not_tell_what_it_sent_gets_the_abort_after_re
     assert engine.aborts[0] == ts.AbortPolicy().release_timeout
 
 
+class StubbornEngine(SlowAbortEngine):
+    """Two dispatched ids: ``rid-2`` goes at its abort, ``rid-1`` never lets go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = {"rid-1", "rid-2"}
+        self.aborted: list[str] = []
+
+    def features(self) -> ts.EngineFeatures:
+        return ts.EngineFeatures()
+
+    def phase(self, rid: str) -> RequestPhase:
+        return RequestPhase.DISPATCHED if rid in self.held else RequestPhase.ABSENT
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
+        await trio.sleep_forever()  # nothing changes by itself: only an abort lets an id go
+        raise AssertionError("unreachable")
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+        if rid != "rid-1":
+            self.held.discard(rid)
+        await trio.lowlevel.checkpoint()
+
+
+async def test_each_id_of_a_request_gets_one_ordered_abort_however_often_it_is_asked(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first id's abort never takes; asked again after the second id's, it sends no more."""
+    engine = StubbornEngine()
+    policy = ts.AbortPolicy()
+    request = EngineRequest(SlowAbortStream(engine), "pub", ("rid-1", "rid-2"))
+    async with open_cleanup_group() as group:
+        cleanup = EngineCleanup(engine, policy, group, FaultLog(), None)  # type: ignore[arg-type]
+        await cleanup.ordered_abort(request, "rid-1")
+        await cleanup.ordered_abort(request, "rid-2")
+        await cleanup.ordered_abort(request, "rid-1")
+    assert engine.aborted == ["rid-1"] * policy.abort_attempts + ["rid-2"]
+
+
 # -- what a cleanup reports -----------------------------------------------------------------
 
 
@@ -818,6 +858,48 @@ async def test_a_prefill_leg_failing_while_its_request_is_open_is_a_fault_that_s
         f"failing-prefill (room {body['bootstrap_room']}) failed: "
         "PrefillFailed('no KV cache for you')"
     )
+
+
+async def test_the_prefill_legs_failure_is_the_cause_of_the_blocks_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with ts.open_worker(decode_engine(), prefill=FailingPeer(fail_at=1.0)) as worker:
+        with pytest.raises(ts.EngineError) as raised:
+            await read(worker, HELLO, ts.RequestContext("pub"))
+    assert isinstance(raised.value.__cause__, ts.PrefillFailed)
+    assert raised.value.__suppress_context__
+
+
+class OwnError(Exception):
+    pass
+
+
+async def test_a_block_that_raises_its_own_error_gets_it_back_not_the_prefills(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The prefill leg failed (at 1.0) and cancelled the block; the body raised first, its own."""
+
+    async def raise_own_error(worker: ts.Worker) -> None:
+        async with worker.generate(HELLO, ts.RequestContext("pub")) as chunks:
+            with trio.CancelScope(shield=True):  # the pull (it starts the legs) outlives 1.0
+                async with trio.open_nursery() as pulling:
+                    pulling.start_soon(chunks.__anext__)
+                    await trio.sleep(1.5)
+                    pulling.cancel_scope.cancel()
+            raise OwnError  # no checkpoint since the leg failed: the block's Cancelled never came
+
+    async with ts.open_worker(decode_engine(), prefill=FailingPeer(fail_at=1.0)) as worker:
+        with pytest.raises(OwnError):
+            await raise_own_error(worker)
+    assert trio.current_time() == 1.5
+
+
+async def test_a_generate_block_is_entered_once(autojump_clock: trio.testing.MockClock) -> None:
+    async with ts.open_worker(slow_sim()) as worker:
+        block = worker.generate(HELLO, ts.RequestContext("pub"))
+        async with block:
+            with pytest.raises(RuntimeError, match=r"^a generate\(\) block is entered once$"):
+                await block.__aenter__()
 
 
 async def test_a_prefill_leg_failing_after_its_request_ended_is_no_fault_only_a_debug_line(

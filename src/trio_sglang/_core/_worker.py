@@ -43,6 +43,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import trio
@@ -70,7 +71,7 @@ from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
 from ._pump import EnginePump
 
-__all__ = ["PreparedRequest", "ResponseStream", "Worker", "open_worker"]
+__all__ = ["Generation", "PreparedRequest", "ResponseStream", "Worker", "open_worker"]
 
 logger = logging.getLogger("trio_sglang")
 
@@ -331,22 +332,32 @@ class Worker:
             )
         return parsed, needs_prefill_leg(self.role, parsed, self._prefill)
 
-    @asynccontextmanager
-    async def generate(
+    def generate(
         self,
         request: Mapping[str, Any] | PreparedRequest,
         ctx: RequestContext,
         output: OutputMode = "text",
-    ) -> AsyncIterator[ResponseStream]:
-        """Stream one request's chunks; leaving the block by any path stops it.
+    ) -> Generation:
+        """Stream one request's chunks: ``async with worker.generate(...) as chunks``.
 
-        ``request`` is an SGLang ``/generate`` body, or what ``prepare`` made
-        of one (for the same ``output``). Raises ``InvalidRequest`` before
+        Leaving the block by any path stops the request. ``request`` is an
+        SGLang ``/generate`` body, or what ``prepare`` made of one (for the
+        same ``output``). Entering the block raises ``InvalidRequest`` before
         anything reaches the engine, and ``EngineShutdown`` if the worker is
-        shutting down or shuts down while the block is open.
-        ``ctx.stop()``/``ctx.kill()`` cancel the block's body (like an expired
-        ``move_on_after``) and the block exits normally.
+        shutting down; leaving it raises ``EngineShutdown`` if the worker shut
+        down while it was open. ``ctx.stop()``/``ctx.kill()`` cancel the
+        block's body (like an expired ``move_on_after``) and the block exits
+        normally.
         """
+        return Generation(self, request, ctx, output)
+
+    def _open(
+        self,
+        request: Mapping[str, Any] | PreparedRequest,
+        ctx: RequestContext,
+        output: OutputMode,
+    ) -> ResponseStream:
+        """The block's start: the request checked, its stream made, its scope bound to ``ctx``."""
         if isinstance(request, PreparedRequest):
             request.check_for(self, output)
             parsed, prefill_leg = request.parsed, request.prefill_leg
@@ -406,21 +417,26 @@ class Worker:
         )
         self._streams.add(stream)
         attach(ctx, scope)
-        try:
-            with scope:
-                yield stream
-        finally:
-            detach(ctx, scope)
-            stream._close()
-            if leg is not None:  # again: a stream that finished leaves its leg to this
-                leg.end()
-            self._streams.discard(stream)
+        return stream
+
+    def _close_block(self, stream: ResponseStream, ctx: RequestContext) -> None:
+        """The block's end, however it ends: the stream closed, both legs stopped."""
+        detach(ctx, stream._scope)
+        stream._close()
+        if stream._leg is not None:  # again: a stream that finished leaves its leg to this
+            stream._leg.end()
+        self._streams.discard(stream)
+
+    def _block_error(self, stream: ResponseStream) -> Exception | None:
+        """What leaving a block that ended without an error of its own raises, if anything."""
+        leg = stream._leg
         if leg is not None and leg.error is not None:
-            raise EngineError(
-                f"the prefill of {ids.request} failed ({type(leg.error).__name__})"
-            ) from leg.error
-        if self._streams.closed and scope.cancelled_caught:
-            raise EngineShutdown("the worker shut down while the stream was open") from None
+            error = EngineError(f"the prefill of {stream.id} failed ({type(leg.error).__name__})")
+            error.__cause__ = leg.error
+            return error
+        if self._streams.closed and stream._scope.cancelled_caught:
+            return EngineShutdown("the worker shut down while the stream was open")
+        return None
 
     # -- shutdown ------------------------------------------------------------
 
@@ -445,6 +461,57 @@ class Worker:
         with trio.CancelScope(shield=True):
             await self._streams.wait(deadline)
         self._cleanups.close(trio.current_time() if self._streams.hurried else deadline)
+
+
+class Generation:
+    """One request's block, from ``async with worker.generate(...)`` to its exit.
+
+    A class, not an ``asynccontextmanager``: that costs four tracked objects
+    a request (the async generator, its manager, trio's weak reference to the
+    generator, a bound method) where this costs one, and the collector's
+    passes over a burst of 10,000 cancels pay for each.
+    """
+
+    __slots__ = ("_ctx", "_output", "_request", "_stream", "_worker")
+
+    def __init__(
+        self,
+        worker: Worker,
+        request: Mapping[str, Any] | PreparedRequest,
+        ctx: RequestContext,
+        output: OutputMode,
+    ) -> None:
+        self._worker = worker
+        self._request = request
+        self._ctx = ctx
+        self._output = output
+        self._stream: ResponseStream | None = None
+
+    async def __aenter__(self) -> ResponseStream:
+        if self._stream is not None:
+            raise RuntimeError("a generate() block is entered once")
+        stream = self._stream = self._worker._open(self._request, self._ctx, self._output)
+        stream._scope.__enter__()
+        return stream
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        stream = self._stream
+        assert stream is not None  # set by ``__aenter__``
+        try:
+            swallowed = stream._scope.__exit__(exc_type, exc, traceback)
+        finally:
+            self._worker._close_block(stream, self._ctx)
+        if exc is not None and not swallowed:
+            return False  # the body's own error goes on
+        error = self._worker._block_error(stream)
+        if error is not None:
+            raise error from error.__cause__  # the prefill's failure, or nothing
+        return swallowed
 
 
 @asynccontextmanager
