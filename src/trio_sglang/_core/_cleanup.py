@@ -63,10 +63,9 @@ class EngineRequest:
     timed_out: bool = False
     #: Engine ids an ordered abort has already run for (each gets one, so a
     #: fault is retried a bounded number of times and reported once).
-    #: Immutable, as the next: most requests never need one, and an empty
-    #: default costs them no tracked object.
-    abort_started: frozenset[str] = frozenset()
-    #: Engine ids whose abort the engine's release path has already sent.
+    abort_started: set[str] = field(default_factory=set)
+    #: Engine ids whose abort the engine's release path has already sent
+    #: (rarely any: an immutable default costs a request nothing).
     abort_sent: frozenset[str] = frozenset()
 
     def note_child(self, out: dict[str, Any]) -> str | None:
@@ -296,7 +295,7 @@ class EngineCleanup:
         """
         if rid in request.abort_started:
             return
-        request.abort_started |= {rid}
+        request.abort_started.add(rid)
         engine, policy, public_id = self._engine, self._policy, request.public_id
         phase = engine.phase(rid)
         if phase is RequestPhase.REGISTERED:
