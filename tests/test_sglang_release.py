@@ -154,7 +154,7 @@ def test_a_field_the_release_lacks_is_refused_by_name_before_the_engine() -> Non
     missing = sorted(set(EVERY_FIELD_REQUEST) - fields - {"text", "sampling_params"})
     for field in missing:
         with pytest.raises(InvalidRequest, match=rf"'{field}' is not supported .*{__version__}"):
-            check_honoured({"text": "hi", field: EVERY_FIELD_REQUEST[field]}, features)
+            check_honoured({"text": "hi", field: EVERY_FIELD_REQUEST[field]}, features, {})
 
 
 async def test_the_real_tokenizer_manager_takes_every_field_the_lifecycle_passes(
