@@ -38,19 +38,17 @@ from mutmut.stats import status_by_exit_code
 from mutmut.utils.file_utils import walk_mutatable_files
 from mutmut.utils.format_utils import orig_function_and_class_names_from_key
 
-#: ``--quick``, CI's subset: the methods that carry a cancel from the caller's stream to
-#: the engine (the stream, the worker's hand-over and shutdown, the reader, the cleanup
-#: and its owner), not their constructors, nor the request's way in (``generate``).
+#: ``--quick``, CI's subset: the code that carries a cancel from the caller's stream to
+#: the engine (the request's lifecycle, its block, the worker's shutdown, the ordered
+#: abort and the cleanup's owner), not constructors, nor the request's way in (``generate``).
 QUICK = (
+    "trio_sglang._core._lifecycle.xǁLifecycleǁ[!_]*",
+    "trio_sglang._core._lifecycle.xǁLifecycleǁ_[!_]*",
     "trio_sglang._core._worker.xǁResponseStreamǁ[!_]*",
-    "trio_sglang._core._worker.xǁResponseStreamǁ_[!_]*",
-    "trio_sglang._core._worker.xǁResponseStreamǁ__anext__*",
-    "trio_sglang._core._worker.xǁGenerationǁ*",
+    "trio_sglang._core._worker.xǁResponseStreamǁ__a*",
     "trio_sglang._core._worker.xǁWorkerǁ_[!_]*",
     "trio_sglang._core._worker.xǁWorkerǁend_grace*",
-    "trio_sglang._core._pump.*",
-    "trio_sglang._core._cleanup.xǁEngineCleanupǁ[!_]*",
-    "trio_sglang._core._cleanup.xǁEngineCleanupǁ_[!_]*",
+    "trio_sglang._core._cleanup.*",
     "trio_sglang._core._cleanup_group.*",
     "trio_sglang._core._drain.*",
     "trio_sglang._core._disagg.xǁPrefillLegǁend*",

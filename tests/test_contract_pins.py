@@ -21,10 +21,11 @@ import trio.testing
 
 import trio_sglang as ts
 from conftest import Recorder, read, slow_sim
-from trio_sglang._core._cleanup import EngineCleanup, EngineRequest
-from trio_sglang._core._cleanup_group import open_cleanup_group
+from trio_sglang._core._cleanup_group import CleanupGroup, open_cleanup_group
 from trio_sglang._core._disagg import CANCEL_ANYTIME
-from trio_sglang._core._faults import FaultLog
+from trio_sglang._core._lifecycle import Lifecycle
+from trio_sglang._core._outputs import PublicIds
+from trio_sglang._core._reports import Reports
 from trio_sglang._engine import RequestPhase
 from trio_sglang.testing import Faults, FaultyEngine
 
@@ -123,16 +124,46 @@ class SlowAbortStream:
         self._engine.send_abort()
 
 
+def lifecycle(
+    engine: SlowAbortEngine,
+    group: CleanupGroup,
+    rids: tuple[str, ...] = ("rid-1",),
+    observer: Recorder | None = None,
+) -> Lifecycle:
+    """One request of ``engine``, as a worker runs it."""
+    features = engine.features()
+    return Lifecycle(
+        SlowAbortStream(engine),
+        PublicIds("pub"),
+        rids,
+        "tokens",
+        engine=engine,  # type: ignore[arg-type]
+        policy=ts.AbortPolicy(),
+        group=group,
+        reports=Reports(observer),
+        release_on_close=features.release_on_close,
+        abort_sent_flag=features.abort_sent_flag,
+        scope=trio.CancelScope(),
+    )
+
+
 @asynccontextmanager
-async def slow_abort_cleanup(
+async def slow_abort_request(
     engine: SlowAbortEngine, observer: Recorder | None = None
-) -> AsyncIterator[tuple[EngineCleanup, EngineRequest]]:
-    """An ``EngineCleanup`` of ``engine`` and its one request; leaving waits for the cleanup."""
-    request = EngineRequest(SlowAbortStream(engine), "pub", ("rid-1",))
+) -> AsyncIterator[Lifecycle]:
+    """One request of ``engine``; leaving waits for its cleanup."""
     async with open_cleanup_group() as group:
-        cleanup = EngineCleanup(engine, ts.AbortPolicy(), group, FaultLog(), observer)  # type: ignore[arg-type]
-        yield cleanup, request
+        yield lifecycle(engine, group, observer=observer)
         await group.wait_idle()
+
+
+async def cancelled_pull(life: Lifecycle) -> None:
+    """The caller's first pull, parked in the engine stream, cancelled there at once."""
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(life.pull)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
 
 
 async def test_a_closed_dispatched_request_gets_no_second_abort_while_its_first_is_on_its_way(
@@ -143,8 +174,8 @@ async def test_a_closed_dispatched_request_gets_no_second_abort_while_its_first_
     SGLang honours one abort per request: a second one would only be dropped.
     """
     engine = SlowAbortEngine()
-    async with slow_abort_cleanup(engine) as (cleanup, request):
-        await cleanup.stop(request)
+    async with slow_abort_request(engine) as request:
+        await request.stop()
         assert trio.current_time() == 3.0  # it waited for the engine to let go
     assert engine.aborts == []
 
@@ -156,8 +187,8 @@ async def test_a_cancelled_pull_that_sent_the_abort_sends_no_second_one_if_the_c
     engine = SlowAbortEngine(close_raises=True)
     engine.send_abort()  # the cancelled pull's release path
     observer = Recorder()
-    async with slow_abort_cleanup(engine, observer) as (cleanup, request):
-        cleanup.hand_over(request, pull_cancelled=True)
+    async with slow_abort_request(engine, observer) as request:
+        await cancelled_pull(request)
     assert observer.cleanups == [(3.0, True)]  # it waited for the engine to let go
     assert engine.aborts == []
 
@@ -167,8 +198,8 @@ async def test_an_engine_that_does_not_tell_what_it_sent_gets_the_abort_after_re
 ) -> None:
     """Without ``abort_sent_flag`` the worker cannot know the close sent one: it aborts."""
     engine = SlowAbortEngine(abort_sent_flag=False)
-    async with slow_abort_cleanup(engine) as (cleanup, request):
-        await cleanup.stop(request)
+    async with slow_abort_request(engine) as request:
+        await request.stop()
     assert engine.aborts[0] == ts.AbortPolicy().release_timeout
 
 
@@ -203,12 +234,11 @@ async def test_each_id_of_a_request_gets_one_ordered_abort_however_often_it_is_a
     """The first id's abort never takes; asked again after the second id's, it sends no more."""
     engine = StubbornEngine()
     policy = ts.AbortPolicy()
-    request = EngineRequest(SlowAbortStream(engine), "pub", ("rid-1", "rid-2"))
     async with open_cleanup_group() as group:
-        cleanup = EngineCleanup(engine, policy, group, FaultLog(), None)  # type: ignore[arg-type]
-        await cleanup.ordered_abort(request, "rid-1")
-        await cleanup.ordered_abort(request, "rid-2")
-        await cleanup.ordered_abort(request, "rid-1")
+        request = lifecycle(engine, group, ("rid-1", "rid-2"))
+        await request.ordered_abort("rid-1")
+        await request.ordered_abort("rid-2")
+        await request.ordered_abort("rid-1")
     assert engine.aborted == ["rid-1"] * policy.abort_attempts + ["rid-2"]
 
 

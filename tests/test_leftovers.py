@@ -19,11 +19,11 @@ import trio_sglang as ts
 
 LIFECYCLE_FILES = (
     "_core/_worker.py",
-    "_core/_pump.py",
+    "_core/_lifecycle.py",
     "_core/_cleanup.py",
     "_core/_cleanup_group.py",
     "_core/_drain.py",
-    "_core/_faults.py",
+    "_core/_reports.py",
     "_core/_context.py",
     "_core/_outputs.py",
 )

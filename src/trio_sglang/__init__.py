@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._core._context import RequestContext
 from ._core._disagg import PrefillFailed, PrefillPeer, Role
-from ._core._faults import EngineFault
-from ._core._observer import WorkerObserver
 from ._core._policy import AbortPolicy
+from ._core._reports import EngineFault, WorkerObserver
 from ._core._worker import PreparedRequest, ResponseStream, Worker, open_worker
 from ._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest

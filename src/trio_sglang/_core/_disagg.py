@@ -34,7 +34,7 @@ import trio
 from .._engine import Role
 from .._errors import InvalidRequest
 from .._request import ParsedRequest
-from ._faults import FaultLog
+from ._reports import Reports
 
 __all__ = [
     "CANCEL_ANYTIME",
@@ -205,7 +205,7 @@ class PrefillLeg:
         public_id: str,
         rids: tuple[str, ...],
         request_scope: trio.CancelScope,
-        faults: FaultLog,
+        reports: Reports,
         *,
         cancel_anytime: bool,
         cleanup_timeout: float,
@@ -215,7 +215,7 @@ class PrefillLeg:
         self._public_id = public_id
         self._rids = rids
         self._request_scope = request_scope
-        self._faults = faults
+        self._reports = reports
         #: Whether the peer stops a cancelled prefill in any queue (it advertises so).
         self._cancel_anytime = cancel_anytime
         self._cleanup_timeout = cleanup_timeout
@@ -247,7 +247,7 @@ class PrefillLeg:
                     # side aborted) is the expected end, not a fault.
                     logger.debug("prefill leg of %s ended with %r", self._public_id, exc)
                     return
-                self._faults.report(
+                self._reports.fault(
                     "prefill_failed",
                     self._public_id,
                     self._rids,

@@ -1,4 +1,4 @@
-"""The cancellation lifecycle: ``open_worker`` and ``Worker.generate``.
+"""The cancellation lifecycle's entry: ``open_worker``, ``Worker.generate`` and the block.
 
 One request's life, top to bottom:
 
@@ -7,40 +7,28 @@ One request's life, top to bottom:
    before anything reaches the engine), mints the internal rids, and opens
    the caller's block inside a cancel scope that ``ctx.stop()``/``ctx.kill()``
    and the worker's shutdown cancel.
-2. The caller pulls. Requests whose engine ids are known in advance (one
-   prompt, or a native batch) on an engine whose close releases them are
-   read by the caller's own task; the others by an ``EnginePump`` in the
-   worker's ``CleanupGroup`` (see ``_pump.py``). A decode worker's request
-   whose prefill runs elsewhere also gets a ``PrefillLeg`` there (see
-   ``_disagg.py``).
-3. The caller leaves, however it leaves. A cancelled pull has already run
-   the engine's release path (an undispatched request is forgotten and never
-   reaches the scheduler, a dispatched one is aborted after its dispatch);
-   whatever still has to be awaited (closing the stream, confirming the
-   abort took, the ordered fallback) runs in the ``CleanupGroup``, bounded
-   by ``AbortPolicy`` (see ``_cleanup.py``), and never holds the caller's
-   stream open.
+2. From there one object carries the request: its ``Lifecycle`` (see
+   ``_lifecycle.py``), from the first pull to the last cleanup task, with one
+   ``State``. The caller's ``ResponseStream`` is a thin view over it.
+3. The block ends, however it ends: the request leaves (its cleanup goes on
+   in the worker's ``CleanupGroup``, bounded by ``AbortPolicy``, and never
+   holds the caller's block open), and a prefill leg ends too.
 
 The shape follows hypercorn's trio worker: the engine is entered first, the
 ``CleanupGroup`` is opened after it and closed before it, and leaving the
-worker ends every open stream (its ``Drain``), then gives their cleanup what
+worker ends every open block (its ``Drain``), then gives their cleanup what
 is left of the grace as a deadline, and only then lets the engine close.
 
-A stream knows its worker only through what it is given at its start: the
-worker's ``EngineCleanup`` (which stops a request at the engine and reports
-what the caller sees of its faults) and ``CleanupGroup`` (which owns the
-prefill leg and the reader). The worker, for its part, is the stream's one
-friend: it closes a stream when its block ends and cancels its scope at
-shutdown (``_close``, ``_scope``), here in this module.
+``Worker`` and ``ResponseStream`` are friends, here in this module: the
+block's start and end (``_open``, ``_close_block``, ``_block_error``) are the
+worker's, called by the stream as its block is entered and left.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
@@ -53,7 +41,6 @@ from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._fields import check_honoured
 from .._request import OutputMode, ParsedRequest, parse_request
 from ._capabilities import build_capabilities
-from ._cleanup import EngineCleanup, EngineRequest
 from ._cleanup_group import CleanupGroup, open_cleanup_group
 from ._context import RequestContext, attach, detach
 from ._disagg import (
@@ -64,160 +51,96 @@ from ._disagg import (
     peer_cancels_anytime,
 )
 from ._drain import Drain
-from ._faults import FaultLog
 from ._ids import mint_rid
-from ._observer import WorkerObserver
-from ._outputs import PublicIds, format_chunk
+from ._lifecycle import Lifecycle
+from ._outputs import PublicIds
 from ._policy import AbortPolicy
-from ._pump import EnginePump
+from ._reports import Reports, WorkerObserver
 
-__all__ = ["Generation", "PreparedRequest", "ResponseStream", "Worker", "open_worker"]
+__all__ = ["PreparedRequest", "ResponseStream", "Worker", "open_worker"]
 
 logger = logging.getLogger("trio_sglang")
 
 
-class StreamState(enum.Enum):
-    #: Opened; nothing pulled, nothing at the engine.
-    NEW = "new"
-    #: Between pulls.
-    OPEN = "open"
-    #: Inside a pull.
-    PULLING = "pulling"
-    #: The engine stream ended by itself.
-    FINISHED = "finished"
-    #: Left early (cancelled, failed, closed); the engine side is the worker's.
-    CLOSED = "closed"
-
-
-# The pull is the hot path (one call per token), and looking up an enum
-# member costs a class attribute access (~50 ns) where a global costs ~10.
-_NEW, _OPEN, _PULLING = StreamState.NEW, StreamState.OPEN, StreamState.PULLING
-_FINISHED, _CLOSED = StreamState.FINISHED, StreamState.CLOSED
-
-
 class ResponseStream:
-    """The caller's stream: an async iterator of chunk dicts, public ids only."""
+    """The caller's stream: ``async with worker.generate(...) as chunks``, then ``async for``.
 
-    __slots__ = (
-        "_cleanup",
-        "_group",
-        "_ids",
-        "_leg",
-        "_next",
-        "_output",
-        "_pump",
-        "_request",
-        "_scope",
-        "_stall_timeout",
-        "_state",
-    )
+    Chunk dicts, with public ids only. A thin view over the request's
+    ``Lifecycle``, made when the block is entered: the pulls and the leaving
+    are the lifecycle's, the block (its cancel scope, its end) is the worker's.
+
+    One object is both the block and the stream: a request costs the
+    collector one tracked object fewer, which a burst of 10,000 cancels feels.
+    """
+
+    __slots__ = ("_ctx", "_life", "_output", "_request", "_worker")
+
+    #: Set when the block is entered.
+    _life: Lifecycle
 
     def __init__(
         self,
-        cleanup: EngineCleanup,
-        group: CleanupGroup,
-        request: EngineRequest,
-        pump: EnginePump | None,
-        leg: PrefillLeg | None,
-        ids: PublicIds,
+        worker: Worker,
+        request: Mapping[str, Any] | PreparedRequest,
+        ctx: RequestContext,
         output: OutputMode,
-        scope: trio.CancelScope,
-        stall_timeout: float,
     ) -> None:
-        #: The worker's: who stops the request at the engine, and who owns its tasks.
-        self._cleanup = cleanup
-        self._group = group
+        self._worker = worker
         self._request = request
-        self._pump = pump
-        self._leg = leg
-        # Bound once: the pull is the hot path (one call per token).
-        self._next = request.stream.__anext__ if pump is None else pump.receive
-        self._stall_timeout = None if stall_timeout == math.inf else stall_timeout
-        self._ids = ids
+        self._ctx = ctx
         self._output: OutputMode = output
-        self._scope = scope
-        self._state = _NEW
 
     @property
     def id(self) -> str:
         """The request's public id (text chunks carry it)."""
-        return self._ids.request
+        return self._life.ids.request
 
     @property
     def closed(self) -> bool:
-        return self._state is _FINISHED or self._state is _CLOSED
+        return self._life.closed
 
     def __aiter__(self) -> ResponseStream:
         return self
 
-    async def __anext__(self) -> dict[str, Any]:
-        if self._state is _NEW:
-            # A stream whose context was stopped before its first pull must
-            # not touch the engine at all.
-            await trio.lowlevel.checkpoint_if_cancelled()
-            # The engine side beside the caller's pulls: the prefill leg, the reader.
-            if self._leg is not None:
-                self._group.start_soon(self._leg.run)
-            if self._pump is not None:
-                self._pump.start(self._group)
-        elif self._state is not _OPEN:
-            raise StopAsyncIteration
-        self._state = _PULLING
-        try:
-            if self._stall_timeout is None:
-                out = await self._next()
-            else:
-                out = await self._pull_within_stall_timeout(self._stall_timeout)
-        except StopAsyncIteration:
-            self._state = _FINISHED
-            raise
-        except BaseException as exc:
-            # Cancelled, failed or interrupted: the engine stream cannot
-            # resume, so its cleanup starts now, not at block exit.
-            failed = isinstance(exc, Exception) and not isinstance(
-                exc, EngineError | EngineShutdown
-            )
-            error = self._cleanup.failed(self._request, exc) if failed else None
-            self._close(pull_cancelled=isinstance(exc, trio.Cancelled))
-            if error is not None:
-                raise error from exc
-            raise
-        self._state = _OPEN
-        return format_chunk(self._output, out, self._ids)
-
-    async def _pull_within_stall_timeout(self, stall_timeout: float) -> dict[str, Any]:
-        with trio.move_on_after(stall_timeout):
-            return await self._next()
-        raise self._cleanup.stalled(self._request)
+    def __anext__(self) -> Coroutine[Any, Any, dict[str, Any]]:
+        # The lifecycle's own coroutine: a view adds no frame to the pull, the hot path.
+        return self._life.pull()
 
     async def aclose(self) -> None:
         """End the stream now; the engine-side cleanup goes on in the worker."""
-        if self._state is _PULLING:
+        life = self._life
+        if life.pulling:
             # Another task is inside a pull: ending the block is the only way
-            # to stop it at once (the pull itself then closes the stream).
-            self._scope.cancel()
+            # to stop it at once (the pull itself then leaves).
+            life.scope.cancel()
         else:
-            self._close()
+            life.leave()
         await trio.lowlevel.checkpoint()
 
-    def _close(self, *, pull_cancelled: bool = False) -> None:
-        """Hand the engine side over to the worker's cleanup; a no-op once done.
+    async def __aenter__(self) -> ResponseStream:
+        if hasattr(self, "_life"):
+            raise RuntimeError("a generate() block is entered once")
+        life = self._life = self._worker._open(self._request, self._ctx, self._output)
+        life.scope.__enter__()
+        return self
 
-        Both legs stop here, when the stream closes (a cancelled pull closes
-        it while the block may stay open for long), not at block exit.
-        """
-        state = self._state
-        if state is _FINISHED or state is _CLOSED:
-            return
-        self._state = _CLOSED
-        if state is _NEW:
-            return
-        if self._leg is not None:
-            self._leg.end()
-        if self._pump is not None:
-            self._pump.consumer_left()
-        else:
-            self._cleanup.hand_over(self._request, pull_cancelled=pull_cancelled)
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        life = self._life
+        try:
+            swallowed = life.scope.__exit__(exc_type, exc, traceback)
+        finally:
+            self._worker._close_block(life, self._ctx)
+        if exc is not None and not swallowed:
+            return False  # the body's own error goes on
+        error = self._worker._block_error(life)
+        if error is not None:
+            raise error from error.__cause__  # the prefill's failure, or nothing
+        return swallowed
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,10 +181,9 @@ class Worker:
         self._features = engine.features()
         self._prefill = prefill
         self._prefill_cancel_anytime = prefill_cancel_anytime
-        self._faults = FaultLog(None if observer is None else observer.engine_fault)
-        self._engine_cleanup = EngineCleanup(engine, policy, cleanups, self._faults, observer)
-        #: The streams whose ``generate`` block is open; closed by the shutdown.
-        self._streams: Drain[ResponseStream] = Drain()
+        self._reports = Reports(observer)
+        #: The requests whose ``generate`` block is open; closed by the shutdown.
+        self._open_blocks: Drain[Lifecycle] = Drain()
 
     @property
     def engine(self) -> Engine:
@@ -283,12 +205,12 @@ class Worker:
     @property
     def open_streams(self) -> int:
         """Streams whose ``generate`` block has not exited yet."""
-        return len(self._streams)
+        return len(self._open_blocks)
 
     @property
     def pending_cleanups(self) -> int:
         """Requests whose engine-side cleanup is still running."""
-        return self._engine_cleanup.pending
+        return self._reports.pending
 
     async def wait_idle(self) -> None:
         """Return once no engine-side task is running (at once if none is)."""
@@ -337,7 +259,7 @@ class Worker:
         request: Mapping[str, Any] | PreparedRequest,
         ctx: RequestContext,
         output: OutputMode = "text",
-    ) -> Generation:
+    ) -> ResponseStream:
         """Stream one request's chunks: ``async with worker.generate(...) as chunks``.
 
         Leaving the block by any path stops the request. ``request`` is an
@@ -349,15 +271,15 @@ class Worker:
         block's body (like an expired ``move_on_after``) and the block exits
         normally.
         """
-        return Generation(self, request, ctx, output)
+        return ResponseStream(self, request, ctx, output)
 
     def _open(
         self,
         request: Mapping[str, Any] | PreparedRequest,
         ctx: RequestContext,
         output: OutputMode,
-    ) -> ResponseStream:
-        """The block's start: the request checked, its stream made, its scope bound to ``ctx``."""
+    ) -> Lifecycle:
+        """The block's start: the request checked, its lifecycle made and bound to ``ctx``."""
         if isinstance(request, PreparedRequest):
             request.check_for(self, output)
             parsed, prefill_leg = request.parsed, request.prefill_leg
@@ -369,27 +291,12 @@ class Worker:
         if prefill_leg:
             assert self._prefill is not None  # a prefill leg needs the worker's peer
             bootstrap = new_bootstrap(self._prefill)
-        if self._streams.closed:
+        if self._open_blocks.closed:
             raise EngineShutdown("the worker is shutting down")
         # One minted rid, or one per prompt for a batch: all 32 hex digits,
         # so none is a prefix of another (SGLang aborts by prefix).
         rids = tuple(mint_rid() for _ in range(parsed.rid_count))
         ids = PublicIds.for_request(parsed, ctx.id)
-        engine_request = EngineRequest(
-            self._engine.generate({**parsed.engine_request(rids), **(bootstrap or {})}),
-            ids.request,
-            rids if parsed.stable_ids else (),
-        )
-        release_on_close = self._features.release_on_close
-        pump = None
-        if not (parsed.stable_ids and release_on_close):
-            pump = EnginePump(
-                engine_request,
-                self._engine_cleanup,
-                self._policy,
-                release_on_close=release_on_close,
-                children_unknown=not parsed.stable_ids,
-            )
         scope = trio.CancelScope()
         leg = None
         if bootstrap is not None:
@@ -400,41 +307,45 @@ class Worker:
                 ids.request,
                 rids,
                 scope,
-                self._faults,
+                self._reports,
                 cancel_anytime=self._prefill_cancel_anytime,
                 cleanup_timeout=self._policy.cleanup_timeout,
             )
-        stream = ResponseStream(
-            self._engine_cleanup,
-            self._cleanups,
-            engine_request,
-            pump,
-            leg,
+        life = Lifecycle(
+            self._engine.generate({**parsed.engine_request(rids), **(bootstrap or {})}),
             ids,
+            rids if parsed.stable_ids else (),
             parsed.output,
-            scope,
-            self._policy.stall_timeout,
+            engine=self._engine,
+            policy=self._policy,
+            group=self._cleanups,
+            reports=self._reports,
+            release_on_close=self._features.release_on_close,
+            abort_sent_flag=self._features.abort_sent_flag,
+            scope=scope,
+            children_unknown=not parsed.stable_ids,
+            leg=leg,
         )
-        self._streams.add(stream)
+        self._open_blocks.add(life)
         attach(ctx, scope)
-        return stream
+        return life
 
-    def _close_block(self, stream: ResponseStream, ctx: RequestContext) -> None:
+    def _close_block(self, life: Lifecycle, ctx: RequestContext) -> None:
         """The block's end, however it ends: the stream closed, both legs stopped."""
-        detach(ctx, stream._scope)
-        stream._close()
-        if stream._leg is not None:  # again: a stream that finished leaves its leg to this
-            stream._leg.end()
-        self._streams.discard(stream)
+        detach(ctx, life.scope)
+        life.end_block()
+        self._open_blocks.discard(life)
 
-    def _block_error(self, stream: ResponseStream) -> Exception | None:
+    def _block_error(self, life: Lifecycle) -> Exception | None:
         """What leaving a block that ended without an error of its own raises, if anything."""
-        leg = stream._leg
-        if leg is not None and leg.error is not None:
-            error = EngineError(f"the prefill of {stream.id} failed ({type(leg.error).__name__})")
-            error.__cause__ = leg.error
+        failure = life.prefill_error
+        if failure is not None:
+            error = EngineError(
+                f"the prefill of {life.ids.request} failed ({type(failure).__name__})"
+            )
+            error.__cause__ = failure
             return error
-        if self._streams.closed and stream._scope.cancelled_caught:
+        if self._open_blocks.closed and life.scope.cancelled_caught:
             return EngineShutdown("the worker shut down while the stream was open")
         return None
 
@@ -447,71 +358,20 @@ class Worker:
         at once (now, or as soon as the shutdown begins); the engine still
         closes after, which stops whatever it still runs.
         """
-        self._streams.hurry()
-        if self._streams.closed:  # the shutdown has begun
+        self._open_blocks.hurry()
+        if self._open_blocks.closed:  # the shutdown has begun
             self._cleanups.close(trio.current_time())
 
     async def _shutdown(self) -> None:
         """End open streams; give them and the cleanup the grace as one deadline."""
         deadline = trio.current_time() + self._policy.shutdown_grace
-        self._streams.close()
-        for stream in self._streams:
-            stream._scope.cancel()
+        self._open_blocks.close()
+        for life in self._open_blocks:
+            life.scope.cancel()
         # Their callers hand the engine side over as their blocks exit.
         with trio.CancelScope(shield=True):
-            await self._streams.wait(deadline)
-        self._cleanups.close(trio.current_time() if self._streams.hurried else deadline)
-
-
-class Generation:
-    """One request's block, from ``async with worker.generate(...)`` to its exit.
-
-    A class, not an ``asynccontextmanager``: that costs four tracked objects
-    a request (the async generator, its manager, trio's weak reference to the
-    generator, a bound method) where this costs one, and the collector's
-    passes over a burst of 10,000 cancels pay for each.
-    """
-
-    __slots__ = ("_ctx", "_output", "_request", "_stream", "_worker")
-
-    def __init__(
-        self,
-        worker: Worker,
-        request: Mapping[str, Any] | PreparedRequest,
-        ctx: RequestContext,
-        output: OutputMode,
-    ) -> None:
-        self._worker = worker
-        self._request = request
-        self._ctx = ctx
-        self._output = output
-        self._stream: ResponseStream | None = None
-
-    async def __aenter__(self) -> ResponseStream:
-        if self._stream is not None:
-            raise RuntimeError("a generate() block is entered once")
-        stream = self._stream = self._worker._open(self._request, self._ctx, self._output)
-        stream._scope.__enter__()
-        return stream
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> bool:
-        stream = self._stream
-        assert stream is not None  # set by ``__aenter__``
-        try:
-            swallowed = stream._scope.__exit__(exc_type, exc, traceback)
-        finally:
-            self._worker._close_block(stream, self._ctx)
-        if exc is not None and not swallowed:
-            return False  # the body's own error goes on
-        error = self._worker._block_error(stream)
-        if error is not None:
-            raise error from error.__cause__  # the prefill's failure, or nothing
-        return swallowed
+            await self._open_blocks.wait(deadline)
+        self._cleanups.close(trio.current_time() if self._open_blocks.hurried else deadline)
 
 
 @asynccontextmanager
@@ -554,7 +414,7 @@ async def open_worker(
                         yield worker
                     finally:
                         await worker._shutdown()
-                cut = worker._engine_cleanup.cut_at_close
+                cut = worker._reports.cut_at_close
                 if cut:
                     logger.warning(
                         "%d engine-side cleanups were still running after the %ss shutdown "

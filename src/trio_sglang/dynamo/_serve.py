@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import trio
 
-from .._core._observer import WorkerObserver
 from .._core._policy import AbortPolicy
+from .._core._reports import WorkerObserver
 from .._core._worker import Worker, open_worker
 from .._engine import Engine
 from ._bridge import RequestBridge, RequestsObserver

@@ -16,7 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from .._core._faults import EngineFault
+from .._core._reports import EngineFault
 from .._core._worker import Worker
 
 __all__ = ["CancelPhase", "CountsEvents", "RefusalReason", "SchedulerLoad", "ServerMetrics"]

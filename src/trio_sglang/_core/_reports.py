@@ -1,20 +1,22 @@
-"""Engine faults: what went wrong at the engine, said once, with both ids.
+"""What a worker tells of its requests' ends: the engine's faults, and each cleanup.
 
 A fault is anything the engine did that the lifecycle had to work around
 or could not: a stream that raised or went silent, a close that raised or
 hung, an abort that raised, hung or never took, a dispatch never observed.
 Each one is logged exactly once per request (retries do not repeat it),
 with the caller's public id and the engine's internal rids, and counted by
-the worker's observer, so that metrics and logs agree.
+the worker's observer, so that metrics and logs agree. Each cleanup is
+counted while it runs, timed when it ends, and counted again if the
+worker's shutdown cut it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, Protocol
 
-__all__ = ["EngineFault", "FaultLog"]
+__all__ = ["EngineFault", "Reports", "WorkerObserver"]
 
 logger = logging.getLogger("trio_sglang")
 
@@ -32,13 +34,36 @@ EngineFault = Literal[
 ]
 
 
-class FaultLog:
-    """Logs each fault, and tells ``counted`` (the worker's observer) of it."""
+class WorkerObserver(Protocol):
+    """What the worker tells an observer (the server's metrics)."""
 
-    def __init__(self, counted: Callable[[EngineFault], None] | None = None) -> None:
-        self._counted = counted
+    def cleanup_finished(self, seconds: float, *, released: bool) -> None:
+        """One request's engine-side cleanup is over.
 
-    def report(
+        ``seconds`` runs from the caller's leaving to the end of the cleanup;
+        ``released`` says whether the engine had let go of every id of the
+        request by then.
+        """
+        ...
+
+    def engine_fault(self, kind: EngineFault) -> None:
+        """The engine misbehaved once (see ``EngineFault``); already logged."""
+        ...
+
+
+class Reports:
+    """One worker's account of its requests' ends: logged, counted, and told to ``observer``."""
+
+    __slots__ = ("cut_at_close", "observer", "pending")
+
+    def __init__(self, observer: WorkerObserver | None = None) -> None:
+        self.observer = observer
+        #: Requests whose cleanup is running.
+        self.pending = 0
+        #: Requests whose cleanup the worker's shutdown cut after its grace.
+        self.cut_at_close = 0
+
+    def fault(
         self,
         kind: EngineFault,
         public_id: str,
@@ -58,5 +83,9 @@ class FaultLog:
             message,
             exc_info=error,
         )
-        if self._counted is not None:
-            self._counted(kind)
+        if self.observer is not None:
+            self.observer.engine_fault(kind)
+
+    def cleanup_finished(self, seconds: float, *, released: bool) -> None:
+        if self.observer is not None:
+            self.observer.cleanup_finished(seconds, released=released)

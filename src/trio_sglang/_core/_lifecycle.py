@@ -1,0 +1,583 @@
+"""One request's life, from its first pull to its last cleanup task: ``Lifecycle``.
+
+Everything that moves a request's ``State`` lives in this file, and the
+moves are data (``_NEXT``), as in h11's ``_state.py``: an event the table
+does not list for a state is a bug in this file, raised at once, never
+absorbed. The caller's ``ResponseStream`` is a thin view over a
+``Lifecycle``, as trio's memory channels are over their shared state.
+
+Two tasks move the state. The caller's task pulls, and leaves however it
+leaves (cancelled, failed, closed, its block ended). A request whose
+caller's task cannot read the engine stream itself also has a reader in the
+worker's ``CleanupGroup`` (``_read_for_caller``), which hands each output
+over through a zero-buffer channel, the same back-pressure as reading
+directly. Two kinds of request need one:
+
+- parallel sampling (``n > 1``): SGLang swaps every child rid for a fresh
+  uuid that only the child's first output reveals, and has no group abort,
+  so after the caller goes someone must keep reading to learn the children
+  that have not spoken yet;
+- any request on an engine whose close does not release it
+  (``release_on_close`` false): cancelling the caller's pull would kill the
+  generator before dispatch and leave the request registered for ever, so
+  the generator has to keep running until the request is dispatched, and
+  the abort follows the dispatch.
+
+The reader moves the state only to ``FINISHED``, and before its channel
+closes, so that a caller who then sees the end does not count it as
+leaving early. When the engine fails under it, it leaves the state
+``OPEN``: the caller must still take the error at its next pull.
+
+Once the caller has gone, everything that still has to be awaited runs as
+tasks of the ``CleanupGroup``, each bounded by the request's cleanup
+deadline (``AbortPolicy.cleanup_timeout`` from the caller's leaving) and
+every wait inside by its own ``AbortPolicy`` bound. Closing the engine
+stream runs SGLang's own release path (an undispatched request is
+forgotten and never reaches the scheduler, a dispatched one is aborted), so
+that comes first; the ordered abort (``_cleanup.py``) is the fallback. Once
+the release path has sent a request's abort, no second one is sent while the
+first is on its way (behind a long prefill forward, say): SGLang honours one
+abort per request, and would drop it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVarTuple
+
+import trio
+
+from .._engine import Engine, EngineStream, RequestPhase
+from .._errors import EngineError, EngineShutdown
+from .._request import OutputMode
+from ._cleanup import ordered_abort, released
+from ._cleanup_group import CleanupGroup
+from ._disagg import PrefillLeg
+from ._outputs import PublicIds, format_chunk
+from ._policy import AbortPolicy
+from ._reports import Reports
+
+__all__ = ["Lifecycle", "State"]
+
+logger = logging.getLogger("trio_sglang")
+
+Args = TypeVarTuple("Args")
+
+
+class State(enum.Enum):
+    """Where one request is in its life."""
+
+    # The transition table's keys: hashed by identity, at C speed (an Enum's
+    # own hash is Python code).
+    __hash__ = object.__hash__
+
+    #: Made: nothing pulled, nothing at the engine.
+    NEW = "new"
+    #: The caller reads it (itself, or through the reader).
+    OPEN = "open"
+    #: The engine stream ended by itself: nothing is owed.
+    FINISHED = "finished"
+    #: The caller went before the end: the engine side is being stopped.
+    LEFT = "left"
+    #: Stopped: no task works on it any more.
+    DONE = "done"
+
+
+class Event(enum.Enum):
+    __hash__ = object.__hash__
+
+    #: The caller's first pull.
+    PULL = "the first pull"
+    #: The engine stream ended by itself.
+    END = "the engine stream ended"
+    #: The caller went, however it went.
+    LEAVE = "the caller left"
+    #: The last task at work on the request's engine side ended.
+    STOPPED = "the engine side stopped"
+
+
+# The pull is the hot path (one call per token), and looking up an enum
+# member costs a class attribute access (~50 ns) where a global costs ~10.
+_NEW, _OPEN, _FINISHED, _LEFT, _DONE = State
+_PULL, _END, _LEAVE, _STOPPED = Event
+
+#: Every move a request can make.
+_NEXT: dict[tuple[State, Event], State] = {
+    (_NEW, _PULL): _OPEN,
+    (_NEW, _LEAVE): _DONE,  # nothing reached the engine
+    (_OPEN, _END): _FINISHED,
+    (_OPEN, _LEAVE): _LEFT,
+    # The reader stopped a failed engine stream before its caller took the error.
+    (_OPEN, _STOPPED): _OPEN,
+    (_FINISHED, _END): _FINISHED,  # the reader saw the end first, then its caller
+    (_FINISHED, _LEAVE): _FINISHED,
+    (_LEFT, _LEAVE): _LEFT,
+    (_LEFT, _STOPPED): _DONE,
+    (_DONE, _LEAVE): _DONE,
+}
+
+
+class Lifecycle:
+    """One request, as the worker runs it; see the module's docstring."""
+
+    __slots__ = (
+        "_children_unknown",
+        "_engine",
+        "_error",
+        "_group",
+        "_has_reader",
+        "_leg",
+        "_next",
+        "_output",
+        "_policy",
+        "_pull_scope",
+        "_reading",
+        "_receive",
+        "_release_aborts_once",
+        "_release_on_close",
+        "_reports",
+        "_send",
+        "_stall_timeout",
+        "abort_sent",
+        "abort_started",
+        "children",
+        "deadline",
+        "ids",
+        "left_at",
+        "pulling",
+        "rids",
+        "scope",
+        "state",
+        "stream",
+        "timed_out",
+        "working",
+    )
+
+    def __init__(
+        self,
+        stream: EngineStream,
+        ids: PublicIds,
+        rids: tuple[str, ...],
+        output: OutputMode,
+        *,
+        engine: Engine,
+        policy: AbortPolicy,
+        group: CleanupGroup,
+        reports: Reports,
+        release_on_close: bool,
+        abort_sent_flag: bool,
+        scope: trio.CancelScope,
+        children_unknown: bool = False,
+        leg: PrefillLeg | None = None,
+    ) -> None:
+        #: The worker's, shared by its requests.
+        self._engine = engine
+        self._policy = policy
+        self._group = group
+        self._reports = reports
+        self._release_on_close = release_on_close
+        # The engine's release path aborts what was dispatched, and the engine
+        # honours one abort per request: after it, another abort is dropped.
+        self._release_aborts_once = release_on_close and abort_sent_flag
+        self._stall_timeout = None if policy.stall_timeout == math.inf else policy.stall_timeout
+
+        self.state = _NEW
+        #: Whether the caller is inside a pull (another task's ``aclose`` must cancel it).
+        self.pulling = False
+        #: The caller's block: ``ctx.stop()``, the shutdown and a failed prefill cancel it.
+        self.scope = scope
+        self.stream = stream
+        self.ids = ids
+        self._output: OutputMode = output
+        #: Engine ids known before the request started (one, or one per prompt).
+        self.rids = rids
+        #: Engine ids first seen in outputs (``n > 1``), mapped to "finished".
+        self.children: dict[str, bool] = {}
+        self._leg = leg
+
+        #: When the caller went and the cleanup became owed (trio clock).
+        self.left_at: float | None = None
+        #: ``left_at`` plus the policy's ``cleanup_timeout``: no cleanup task
+        #: of this request runs past it.
+        self.deadline = math.inf
+        #: Cleanup tasks at work on this request; it is stopped when the last one ends.
+        self.working = 0
+        self.timed_out = False
+        #: Engine ids an ordered abort has already run for (each gets one, so a
+        #: fault is retried a bounded number of times and reported once).
+        self.abort_started: set[str] = set()
+        #: Engine ids whose abort the engine's release path has already sent
+        #: (rarely any: an immutable default costs a request nothing).
+        self.abort_sent: frozenset[str] = frozenset()
+
+        self._children_unknown = children_unknown
+        self._reading = False
+        self._error: Exception | None = None
+        self._has_reader = children_unknown or not release_on_close
+        if self._has_reader:
+            self._send, self._receive = trio.open_memory_channel[dict[str, Any]](0)
+            # Unbounded while the caller reads; from its leaving, bounded by
+            # the watch in ``leave`` and the request's cleanup deadline.
+            self._pull_scope = trio.CancelScope()
+            self._next = self._receive_from_reader
+        else:
+            self._next = stream.__anext__
+
+    def _fire(self, event: Event) -> None:
+        try:
+            self.state = _NEXT[self.state, event]
+        except KeyError:
+            raise AssertionError(f"{event.value} in state {self.state.value}") from None
+
+    # -- the caller's side ----------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether the caller's stream is over: finished, or left."""
+        return self.state is not _OPEN and self.state is not _NEW
+
+    @property
+    def prefill_error(self) -> Exception | None:
+        """Why the request's prefill leg failed while the request was open, if it did."""
+        return None if self._leg is None else self._leg.error
+
+    async def pull(self) -> dict[str, Any]:
+        """The caller's next chunk; ``StopAsyncIteration`` at the end."""
+        state = self.state
+        if state is not _OPEN:
+            if state is not _NEW:
+                raise StopAsyncIteration
+            # A stream whose context was stopped before its first pull must
+            # not touch the engine at all.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._start_engine_side()
+        self.pulling = True
+        try:
+            if self._stall_timeout is None:
+                out = await self._next()
+            else:
+                out = await self._pull_within_stall_timeout(self._stall_timeout)
+        except StopAsyncIteration:
+            self._fire(_END)
+            raise
+        except BaseException as exc:
+            # Cancelled, failed or interrupted: the engine stream cannot
+            # resume, so its cleanup starts now, not at block exit.
+            failed = isinstance(exc, Exception) and not isinstance(
+                exc, EngineError | EngineShutdown
+            )
+            error = self._failed(exc) if failed else None
+            self.leave(pull_cancelled=isinstance(exc, trio.Cancelled))
+            if error is not None:
+                raise error from exc
+            raise
+        finally:
+            self.pulling = False
+        return format_chunk(self._output, out, self.ids)
+
+    def _start_engine_side(self) -> None:
+        """The first pull: the prefill leg and the reader start beside the caller."""
+        self._fire(_PULL)
+        if self._leg is not None:
+            self._group.start_soon(self._leg.run)
+        if self._has_reader:
+            self._reading = True
+            self._group.start_soon(self._read_for_caller)
+
+    async def _pull_within_stall_timeout(self, stall_timeout: float) -> dict[str, Any]:
+        with trio.move_on_after(stall_timeout):
+            return await self._next()
+        raise self._stalled()
+
+    def leave(self, *, pull_cancelled: bool = False) -> None:
+        """The caller has gone, however it went: the engine side is the worker's now.
+
+        Both legs stop here, when the stream closes (a cancelled pull closes
+        it while the block may stay open for long), not at block exit.
+        Idempotent: a finished or left request does nothing more.
+        """
+        was = self.state
+        self._fire(_LEAVE)
+        if self._has_reader:
+            self._receive.close()
+        if was is not _OPEN:
+            return
+        if self._leg is not None:
+            self._leg.end()
+        if not self._has_reader:
+            self._hand_over(pull_cancelled=pull_cancelled)
+        elif self._reading and self.left_at is None:
+            self._reader_fails_closed()
+        elif not self.working:
+            # The reader has ended (a failed engine stream it already stopped,
+            # or the shutdown's cut): nothing works on it any more.
+            self._fire(_STOPPED)
+
+    def end_block(self) -> None:
+        """The caller's block has ended, however: leave, and end the prefill leg in any case.
+
+        A stream that finished left its leg to this.
+        """
+        self.leave()
+        if self._leg is not None:
+            self._leg.end()
+
+    def _hand_over(self, *, pull_cancelled: bool) -> None:
+        """The caller of a stream it read itself has gone: stop the request at the engine.
+
+        A cancelled pull ran the engine's release path; if the engine then
+        holds none of the request's ids, there is nothing left to await (the
+        usual case, and in a burst of cancels it spares a task per request).
+        """
+        if pull_cancelled:
+            held = self._held()
+            if not held:
+                self._reports.cleanup_finished(0.0, released=True)
+                self._fire(_STOPPED)
+                return
+            if self._release_aborts_once:
+                self.abort_sent |= frozenset(held)  # what it still holds was dispatched
+        if not self._start(self.stop):
+            logger.warning(
+                "request %s ended after the worker closed; the engine closed with it",
+                self.ids.request,
+            )
+
+    def _failed(self, error: BaseException) -> EngineError:
+        """The engine's stream raised ``error``: logged whole, and the caller's error."""
+        self._reports.fault(
+            "stream_error", self.ids.request, self.unfinished(), repr(error), error=error
+        )
+        # The engine's own error may name internal ids: the caller gets its
+        # type (and ``__cause__``), the log gets the whole of it.
+        return EngineError(
+            f"the engine failed while generating {self.ids.request} ({type(error).__name__})"
+        )
+
+    def _stalled(self) -> EngineError:
+        """No output within ``stall_timeout``: logged with the engine's phases, and the error."""
+        timeout = self._policy.stall_timeout
+        phases = ", ".join(self._engine.phase(rid).value for rid in self.unfinished())
+        self._reports.fault(
+            "stream_stalled",
+            self.ids.request,
+            self.unfinished(),
+            f"no output for {timeout}s (engine phase: {phases or 'unknown'})",
+        )
+        return EngineError(f"the engine sent no output for {self.ids.request} in {timeout}s")
+
+    # -- the reader, for a caller whose task cannot read the engine stream ----
+
+    async def _receive_from_reader(self) -> dict[str, Any]:
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            if self._error is not None:
+                raise self._error from None
+            raise StopAsyncIteration from None
+
+    async def _read_for_caller(self) -> None:
+        timed_out = False
+        try:
+            if not await self._read():
+                if self.state is _OPEN:
+                    self._fail_closed()  # the engine failed: the caller gets its error
+                with trio.move_on_at(self.deadline) as scope:
+                    await self.stop()
+                timed_out = scope.cancelled_caught
+            # Reading ran into the cleanup's deadline (a watch longer than cleanup_timeout).
+            timed_out |= trio.current_time() >= self.deadline
+        finally:
+            self._reading = False
+            if self.left_at is not None:  # it failed closed: its part of the cleanup ends
+                self._end(timed_out=timed_out)
+
+    async def _read(self) -> bool:
+        """Read until the engine stream ends (True), or stop early (False)."""
+        try:
+            with self._pull_scope:
+                if self.state is not _OPEN:
+                    return False  # the caller left before the reader ran: stop it
+                async for out in self.stream:
+                    child = self._note_child(out) if self._children_unknown else None
+                    if self.state is _OPEN:
+                        # BrokenResourceError: the caller left during the hand-over.
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            await self._send.send(out)
+                    elif child is not None and not self.children[child]:
+                        self._start(self.ordered_abort, child)  # first seen after the cancel
+                if self.state is _OPEN:
+                    self._fire(_END)  # before the channel closes
+                return True
+        # Set before the channel closes, so that the caller raises it.
+        except Exception as exc:
+            self._error = exc
+        except BaseException:
+            # Cut by the worker's shutdown: a caller still reading must not
+            # see its stream end as if normally.
+            if self.state is _OPEN:
+                self._error = EngineShutdown("the worker's tasks were cancelled")
+            raise
+        finally:
+            # Closing it ends the caller's stream (a synchronous close: no
+            # checkpoint per reader when a thousand are cancelled at once).
+            self._send.close()
+        return False
+
+    def _reader_fails_closed(self) -> None:
+        """The caller left a request the reader reads: it reads on only to stop what it finds."""
+        self._fail_closed()
+        if self._release_on_close:
+            self._pull_scope.cancel()  # the engine's release path stops every child
+            return
+        for rid in self.unfinished():
+            self._start(self.ordered_abort, rid)
+        watch = self._policy.dispatch_timeout + self._policy.release_timeout
+        if self._children_unknown:
+            watch = self._policy.child_watch_timeout
+        self._pull_scope.deadline = min(self._pull_scope.deadline, trio.current_time() + watch)
+
+    def _fail_closed(self) -> None:
+        self._begin()
+        self._pull_scope.deadline = min(self._pull_scope.deadline, self.deadline)
+
+    # -- the engine side's tasks, from the caller's leaving to the last one ---
+
+    def _begin(self) -> None:
+        """One more task works on the cleanup (owed from the first one)."""
+        if self.left_at is None:
+            self.left_at = trio.current_time()
+            self.deadline = self.left_at + self._policy.cleanup_timeout
+        if not self.working:
+            self._reports.pending += 1
+        self.working += 1
+
+    def _end(self, *, timed_out: bool) -> None:
+        """A task ``_begin`` counted has ended; after the last, say how the cleanup went."""
+        self.working -= 1
+        self.timed_out |= timed_out
+        if self.working:
+            return
+        reports = self._reports
+        reports.pending -= 1
+        assert self.left_at is not None  # set by ``_begin``
+        cut = self._group.cutting
+        if cut:
+            # One summary at worker exit, not a line per request in a burst.
+            reports.cut_at_close += 1
+            logger.debug("cleanup of request %s cancelled at shutdown", self.ids.request)
+        reports.cleanup_finished(trio.current_time() - self.left_at, released=not self._held())
+        if self.timed_out and not cut:
+            reports.fault(
+                "cleanup_timeout",
+                self.ids.request,
+                self.unfinished(),
+                f"the cleanup ran past {self._policy.cleanup_timeout}s; "
+                "the engine may still hold it",
+                level=logging.WARNING,
+            )
+        self._fire(_STOPPED)
+
+    def _start(self, work: Callable[[*Args], Awaitable[object]], *args: *Args) -> bool:
+        """Run ``work(*args)`` as a task of the cleanup, in the worker's group.
+
+        False if the group has closed (the worker is past its grace, and the
+        engine closes with the request).
+        """
+        self._begin()
+        try:
+            self._group.start_soon(self._bounded, work, *args)
+        except EngineShutdown:
+            self._end(timed_out=False)
+            return False
+        return True
+
+    async def _bounded(self, work: Callable[[*Args], Awaitable[object]], *args: *Args) -> None:
+        timed_out = False
+        try:
+            with trio.CancelScope(deadline=self.deadline) as scope:
+                await work(*args)
+            timed_out = scope.cancelled_caught
+        finally:
+            self._end(timed_out=timed_out)
+
+    async def stop(self) -> None:
+        """Close the engine stream, then make sure every id the request has is gone."""
+        await self._close()
+        rids = [rid for rid in self.unfinished() if rid not in self.abort_started]
+        for rid in rids[1:]:  # a native batch: one task per prompt, no nested nursery
+            self._start(self._settle, rid)
+        if rids:
+            await self._settle(rids[0])
+
+    async def _close(self) -> None:
+        dispatched = []
+        if self._release_aborts_once:
+            phase = self._engine.phase
+            dispatched = [r for r in self.unfinished() if phase(r) is RequestPhase.DISPATCHED]
+        # Shielded even from the worker's shutdown: a half-closed stream is
+        # worse than a short, bounded wait.
+        with trio.move_on_after(self._policy.close_timeout, shield=True) as scope:
+            try:
+                await self.stream.aclose()
+            except Exception as exc:
+                self._reports.fault(
+                    "close_error",
+                    self.ids.request,
+                    self.unfinished(),
+                    "closing the engine stream raised",
+                    error=exc,
+                )
+            else:
+                self.abort_sent |= frozenset(dispatched)
+        if scope.cancelled_caught:
+            self._reports.fault(
+                "close_timeout",
+                self.ids.request,
+                self.unfinished(),
+                f"closing the engine stream took over {self._policy.close_timeout}s",
+                level=logging.WARNING,
+            )
+
+    async def _settle(self, rid: str) -> None:
+        with trio.move_on_after(self._policy.release_timeout):
+            await released(self._engine, rid)
+            return
+        if rid in self.abort_sent:
+            # Its abort is on its way (behind a forward in progress, say): a
+            # second one would be dropped. Wait on, within the cleanup's deadline.
+            await released(self._engine, rid)
+            return
+        await self.ordered_abort(rid)
+
+    async def ordered_abort(self, rid: str) -> None:
+        """The ordered abort of ``rid`` (see ``_cleanup.py``), once per id of the request."""
+        if rid in self.abort_started:
+            return
+        self.abort_started.add(rid)
+        await ordered_abort(self._engine, self._policy, self._reports, self.ids.request, rid)
+
+    # -- the request's engine ids ----------------------------------------------
+
+    def _note_child(self, out: dict[str, Any]) -> str | None:
+        """Record the output's engine id; return it when seen for the first time."""
+        meta = out.get("meta_info") or {}
+        rid = meta.get("id")
+        if not isinstance(rid, str):
+            return None
+        new = rid not in self.children
+        self.children[rid] = self.children.get(rid, False) or meta.get("finish_reason") is not None
+        return rid if new else None
+
+    def _held(self) -> list[str]:
+        """The ids of this request that the engine still holds."""
+        phase = self._engine.phase
+        return [rid for rid in self.unfinished() if phase(rid) is not RequestPhase.ABSENT]
+
+    def unfinished(self) -> list[str]:
+        """Every engine id that may still be running: known ones and unfinished children."""
+        return [*self.rids, *(rid for rid, done in self.children.items() if not done)]
