@@ -23,7 +23,7 @@ import trio_sglang as ts
 from conftest import Recorder, read, slow_sim
 from trio_sglang._core._cleanup_group import CleanupGroup, open_cleanup_group
 from trio_sglang._core._disagg import CANCEL_ANYTIME
-from trio_sglang._core._lifecycle import Lifecycle
+from trio_sglang._core._lifecycle import Event, Lifecycle, State
 from trio_sglang._core._outputs import PublicIds
 from trio_sglang._core._reports import Reports
 from trio_sglang._engine import RequestPhase
@@ -58,6 +58,63 @@ async def test_a_cancelled_pull_that_released_everything_leaves_no_cleanup_task(
             await chunks.__anext__()
         assert worker.pending_cleanups == 0  # before any checkpoint: no task was started
         assert observer.cleanups == [(0.0, True)]
+
+
+# -- the request's lifecycle ----------------------------------------------------------------
+
+
+async def test_aclose_outside_a_pull_ends_the_stream_and_not_the_block(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only a pull in progress is cut by cancelling the block: before the first, or between
+    two, ``aclose`` leaves the stream and the block's body runs on."""
+    async with ts.open_worker(slow_sim()) as worker:
+        for pulls in (0, 1):
+            ran_on = False
+            async with worker.generate(HELLO, ts.RequestContext("pub")) as chunks:
+                for _ in range(pulls):
+                    await chunks.__anext__()
+                await chunks.aclose()
+                assert chunks.closed
+                ran_on = True
+            assert ran_on, f"aclose after {pulls} pull(s) cancelled the block"
+
+
+def test_a_move_the_state_table_does_not_list_is_refused_by_name() -> None:
+    """A bug in the lifecycle shows at once, naming the event and the state."""
+    request = lifecycle(SlowAbortEngine(), CleanupGroup())
+    with pytest.raises(AssertionError, match="^the engine side stopped in state new$"):
+        request._fire(Event.STOPPED)
+    assert request.state is State.NEW
+
+
+async def test_a_reader_that_stopped_a_failed_stream_counts_its_cleanup_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The engine fails under the reader, which begins stopping the request before its caller
+    takes the error; the caller's leaving then adds nothing, and the cleanup ends once."""
+    observer = Recorder()
+    engine = FaultyEngine(slow_sim(release_on_close=False), Faults(stream_error_after=1))
+    async with ts.open_worker(engine, observer=observer) as worker:
+        with pytest.raises(ts.EngineError):
+            await read(worker, LONG, ts.RequestContext("pub"))
+        await worker.wait_idle()
+        assert worker.pending_cleanups == 0
+    assert len(observer.cleanups) == 1
+
+
+async def test_a_reader_whose_caller_left_reads_to_the_end_and_stops_cleanly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No release on close: after the caller leaves, the reader reads on until the engine ends
+    the stream (its abort took); that end is not the caller's, and the cleanup ends."""
+    observer = Recorder()
+    engine = slow_sim(release_on_close=False)
+    async with ts.open_worker(engine, observer=observer) as worker:
+        assert await read(worker, LONG, ts.RequestContext("pub"), leave_after=1) == 1
+        await worker.wait_idle()
+        assert worker.pending_cleanups == 0
+    assert [released for _, released in observer.cleanups] == [True]
 
 
 # -- the one-abort rule, on an engine whose abort waits behind a forward ------------------
@@ -559,6 +616,7 @@ async def test_a_worker_read_stream_cut_at_shutdown_ends_with_engine_shutdown_no
         outside.start_soon(pull_shielded, w)
         await trio.sleep(3.0)
     assert told == ["the worker's tasks were cancelled"]
+    assert w.pending_cleanups == 0  # the cut reader left nothing for its caller to stop
 
 
 async def test_a_first_pull_after_the_worker_closed_is_told_so(

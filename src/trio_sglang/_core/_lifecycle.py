@@ -105,6 +105,10 @@ class Event(enum.Enum):
 _NEW, _OPEN, _FINISHED, _LEFT, _DONE = State
 _PULL, _END, _LEAVE, _STOPPED = Event
 
+#: No engine ids: one immutable empty set, shared (a request that needs none costs the
+#: collector no object; most requests never see an abort by id).
+_NO_IDS: frozenset[str] = frozenset()
+
 #: Every move a request can make.
 _NEXT: dict[tuple[State, Event], State] = {
     (_NEW, _PULL): _OPEN,
@@ -131,7 +135,6 @@ class Lifecycle:
         "_group",
         "_has_reader",
         "_leg",
-        "_next",
         "_output",
         "_policy",
         "_pull_scope",
@@ -209,10 +212,9 @@ class Lifecycle:
         self.timed_out = False
         #: Engine ids an ordered abort has already run for (each gets one, so a
         #: fault is retried a bounded number of times and reported once).
-        self.abort_started: set[str] = set()
-        #: Engine ids whose abort the engine's release path has already sent
-        #: (rarely any: an immutable default costs a request nothing).
-        self.abort_sent: frozenset[str] = frozenset()
+        self.abort_started = _NO_IDS
+        #: Engine ids whose abort the engine's release path has already sent.
+        self.abort_sent = _NO_IDS
 
         self._children_unknown = children_unknown
         self._reading = False
@@ -223,9 +225,6 @@ class Lifecycle:
             # Unbounded while the caller reads; from its leaving, bounded by
             # the watch in ``leave`` and the request's cleanup deadline.
             self._pull_scope = trio.CancelScope()
-            self._next = self._receive_from_reader
-        else:
-            self._next = stream.__anext__
 
     def _fire(self, event: Event) -> None:
         try:
@@ -372,6 +371,13 @@ class Lifecycle:
 
     # -- the reader, for a caller whose task cannot read the engine stream ----
 
+    def _next(self) -> Awaitable[dict[str, Any]]:
+        """The next engine output: from the reader, or the engine stream itself.
+
+        Not a bound method kept per request: one tracked object fewer each.
+        """
+        return self._receive_from_reader() if self._has_reader else self.stream.__anext__()
+
     async def _receive_from_reader(self) -> dict[str, Any]:
         try:
             return await self._receive.receive()
@@ -398,35 +404,36 @@ class Lifecycle:
 
     async def _read(self) -> bool:
         """Read until the engine stream ends (True), or stop early (False)."""
+        ended = False
         try:
             with self._pull_scope:
-                if self.state is not _OPEN:
-                    return False  # the caller left before the reader ran: stop it
-                async for out in self.stream:
-                    child = self._note_child(out) if self._children_unknown else None
-                    if self.state is _OPEN:
-                        # BrokenResourceError: the caller left during the hand-over.
-                        with contextlib.suppress(trio.BrokenResourceError):
-                            await self._send.send(out)
-                    elif child is not None and not self.children[child]:
-                        self._start(self.ordered_abort, child)  # first seen after the cancel
-                if self.state is _OPEN:
-                    self._fire(_END)  # before the channel closes
-                return True
-        # Set before the channel closes, so that the caller raises it.
+                if self.state is _OPEN:  # else the caller left before the reader ran
+                    async for out in self.stream:
+                        child = self._note_child(out) if self._children_unknown else None
+                        if self.state is _OPEN:
+                            # BrokenResourceError: the caller left during the hand-over.
+                            with contextlib.suppress(trio.BrokenResourceError):
+                                await self._send.send(out)
+                        elif child is not None and not self.children[child]:
+                            self._start(self.ordered_abort, child)  # first seen after the cancel
+                    ended = True
         except Exception as exc:
-            self._error = exc
+            self._error = exc  # before the channel closes, so that the caller raises it
         except BaseException:
             # Cut by the worker's shutdown: a caller still reading must not
             # see its stream end as if normally.
             if self.state is _OPEN:
                 self._error = EngineShutdown("the worker's tasks were cancelled")
-            raise
-        finally:
-            # Closing it ends the caller's stream (a synchronous close: no
-            # checkpoint per reader when a thousand are cancelled at once).
             self._send.close()
-        return False
+            raise
+        if ended and self.state is _OPEN:
+            # Before the channel closes: a caller that sees the end now must
+            # not count it as leaving early.
+            self._fire(_END)
+        # Closing it ends the caller's stream (a synchronous close: no
+        # checkpoint per reader when a thousand are cancelled at once).
+        self._send.close()
+        return ended
 
     def _reader_fails_closed(self) -> None:
         """The caller left a request the reader reads: it reads on only to stop what it finds."""
@@ -558,7 +565,7 @@ class Lifecycle:
         """The ordered abort of ``rid`` (see ``_cleanup.py``), once per id of the request."""
         if rid in self.abort_started:
             return
-        self.abort_started.add(rid)
+        self.abort_started |= {rid}
         await ordered_abort(self._engine, self._policy, self._reports, self.ids.request, rid)
 
     # -- the request's engine ids ----------------------------------------------
