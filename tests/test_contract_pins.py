@@ -83,7 +83,7 @@ async def test_aclose_outside_a_pull_ends_the_stream_and_not_the_block(
 def test_a_move_the_state_table_does_not_list_is_refused_by_name() -> None:
     """A bug in the lifecycle shows at once, naming the event and the state."""
     request = lifecycle(SlowAbortEngine(), CleanupGroup())
-    with pytest.raises(AssertionError, match="^the engine side stopped in state new$"):
+    with pytest.raises(AssertionError, match=r"^the engine side stopped in state new$"):
         request._fire(Event.STOPPED)
     assert request.state is State.NEW
 
