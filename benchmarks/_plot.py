@@ -1,9 +1,9 @@
 """The PNG: latency distributions per approach, phase and concurrency, on a log scale
 (the at-once bursts on a linear one, from 0).
 
-matplotlib is imported only here, so the benchmark itself needs nothing
-beyond the package: without it a run says so in one line and writes no PNG
-(``pip install -e .[bench]`` brings matplotlib).
+Drawn with what every latency figure shares (``trio_sglang.bench_endpoint._figures``),
+which imports matplotlib only when a figure is drawn: without it a run says so
+in one line and writes no PNG (``pip install -e .[bench]`` brings matplotlib).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from _metrics import CellResult
+from trio_sglang.bench_endpoint._figures import latency_box, log_ms_axis, pyplot, save
 
-__all__ = ["MissingPlotDependency", "figure", "plot", "require_matplotlib"]
+__all__ = ["figure", "plot"]
 
 #: Samples below this are drawn at it: a log axis has no zero (a request the
 #: engine never held has an abort delay of exactly 0).
@@ -30,36 +31,13 @@ PANELS = (
 AT_ONCE_TARGET_MS = 1000.0
 
 
-class MissingPlotDependency(RuntimeError):
-    """The PNG needs matplotlib, which the ``bench`` extra installs."""
-
-
-def require_matplotlib() -> Any:
-    """``matplotlib.pyplot`` on the file-only backend, or a clear error."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise MissingPlotDependency(
-            "the PNG needs matplotlib: install the bench extra (pip install -e '.[bench]'), "
-            "or run it as 'nox -s bench'"
-        ) from exc
-    return plt
-
-
 def plot(cells: Sequence[CellResult], path: Path) -> None:
-    plt = require_matplotlib()
-    fig = figure(cells)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(figure(cells), path)
 
 
 def figure(cells: Sequence[CellResult]) -> Any:
     """The matplotlib figure: a row per phase, a panel per measure."""
-    plt = require_matplotlib()
+    plt = pyplot()
     phases = list(dict.fromkeys(cell.phase for cell in cells))
     approaches = [name for name in COLORS if any(cell.approach == name for cell in cells)]
     fig, axes = plt.subplots(
@@ -102,15 +80,19 @@ def _panel(
     sizes = sorted({cell.concurrency for cell in cells})
     width = 0.8 / max(1, len(approaches))
     if not linear:
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        log_ms_axis(ax)
     for group, size in enumerate(sizes):
         for slot, name in enumerate(approaches):
             found = [c for c in cells if c.concurrency == size and c.approach == name]
             if not found:
                 continue
             x = group + (slot - (len(approaches) - 1) / 2) * width
-            _box(ax, x, width, getattr(found[0], samples), COLORS[name])
+            values = getattr(found[0], samples)
+            finite = [value for value in values if not math.isinf(value)]
+            latency_box(
+                ax, x, finite, COLORS[name], width=width * 0.85, floor_ms=FLOOR_MS,
+                missing=len(values) - len(finite), missing_word="never\nstopped",
+            )  # fmt: skip
     if linear:
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_locator(ticker.MaxNLocator(6))
@@ -129,34 +111,3 @@ def _panel(
 
 def _mantissa(value: float) -> int:
     return round(value / 10 ** math.floor(math.log10(value))) if value > 0 else 0
-
-
-def _box(ax: Any, x: float, width: float, values: Sequence[float], color: str) -> None:
-    finite = [max(v, FLOOR_MS) for v in values if not math.isinf(v)]
-    never = len(values) - len(finite)
-    if finite:
-        box = ax.boxplot(
-            [finite],
-            positions=[x],
-            widths=width * 0.85,
-            whis=(1, 99),
-            showfliers=False,
-            patch_artist=True,
-            manage_ticks=False,
-        )
-        for patch in box["boxes"]:
-            patch.set(facecolor=color, alpha=0.6)
-        for line in box["medians"]:
-            line.set(color="black")
-        ax.plot([x], [max(finite)], marker="x", color=color, markersize=6)
-    if never:
-        ax.annotate(
-            f"{never} never\nstopped",
-            (x, 0.97),
-            xycoords=("data", "axes fraction"),
-            ha="center",
-            va="top",
-            fontsize=8,
-            fontweight="bold",
-            color=color,
-        )

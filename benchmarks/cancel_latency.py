@@ -354,10 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plot_error() -> str:
     """Why there can be no PNG, or "" if there can."""
-    from _plot import MissingPlotDependency, require_matplotlib
+    from trio_sglang.bench_endpoint._figures import MissingPlotDependency, pyplot
 
     try:
-        require_matplotlib()
+        pyplot()
     except MissingPlotDependency as exc:
         return str(exc)
     return ""

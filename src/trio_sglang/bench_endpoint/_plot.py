@@ -1,6 +1,6 @@
 """The PNG: release latency per phase, and the in-flight gauge over the run with every leave.
 
-matplotlib (the bench extra) on its file-only backend, imported here only.
+Drawn with what every latency figure shares (``_figures.py``).
 """
 
 from __future__ import annotations
@@ -10,13 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # after choosing the backend
-from matplotlib import ticker
-
+from ._figures import latency_box, log_ms_axis, pyplot, save
 from ._report import Report
+
+# At import: without the bench extra, ``bench-endpoint`` refuses before it runs.
+pyplot()
 
 __all__ = ["plot"]
 
@@ -25,7 +23,7 @@ _FLOOR_MS = 0.1
 
 
 def plot(report: Report, path: Path) -> None:
-    fig, (latency, timeline) = plt.subplots(2, 1, figsize=(12, 8.5))
+    fig, (latency, timeline) = pyplot().subplots(2, 1, figsize=(12, 8.5))
     _latency(latency, report)
     _timeline(timeline, report)
     fig.suptitle(
@@ -34,33 +32,18 @@ def plot(report: Report, path: Path) -> None:
         fontsize=11,
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _latency(ax: Any, report: Report) -> None:
     phases = [phase for phase in report.phases if phase.name != "stay"]
-    ax.set_yscale("log")
+    log_ms_axis(ax)
     for x, phase in enumerate(phases):
-        values = [max(value, _FLOOR_MS) for value in phase.release_ms]
-        if values:
-            box = ax.boxplot(
-                [values], positions=[x], widths=0.6, whis=(1, 99), showfliers=False,
-                patch_artist=True, manage_ticks=False,
-            )  # fmt: skip
-            for patch in box["boxes"]:
-                patch.set(facecolor="#1b9e77" if phase.name.endswith("close") else "#7570b3")
-                patch.set(alpha=0.6)
-            ax.plot([x], [max(values)], marker="x", color="black", markersize=5)
-        if phase.leaked:
-            ax.annotate(
-                f"{phase.leaked} leaked", (x, 0.97), xycoords=("data", "axes fraction"),
-                ha="center", va="top", fontsize=8, fontweight="bold", color="red",
-            )  # fmt: skip
-    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+        color = "#1b9e77" if phase.name.endswith("close") else "#7570b3"
+        latency_box(
+            ax, x, phase.release_ms, color, width=0.6, floor_ms=_FLOOR_MS,
+            missing=phase.leaked, max_color="black",
+        )  # fmt: skip
     ax.set_xticks(range(len(phases)))
     ax.set_xticklabels([phase.name.replace(":", "\n") for phase in phases], fontsize=8)
     ax.set_xlim(-0.5, max(len(phases), 1) - 0.5)
