@@ -200,7 +200,25 @@ class SimTokenizerManager:
 
 
 class SimStream:
-    """``generate_request(obj)`` for one request: lazy, and released when abandoned."""
+    """``generate_request(obj)`` for one request: lazy, and released when abandoned.
+
+    Slotted, and parked on trio's lowest-level wait rather than a ``ParkingLot``
+    of its own: an open stream costs the collector four objects fewer, which a
+    burst of 10,000 cancelled streams feels.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_outputs",
+        "_pulling",
+        "_request",
+        "_started",
+        "_states",
+        "_submitted",
+        "_tm",
+        "_unfinished",
+        "_waiter",
+    )
 
     def __init__(self, tm: SimTokenizerManager, request: Mapping[str, Any]) -> None:
         self._tm = tm
@@ -213,7 +231,8 @@ class SimStream:
         self._states: list[ReqState] = []
         # A child's backlog is handed over as one output, as SGLang's TokenizerManager does.
         self._outputs = IncrementQueue()
-        self._lot = trio.lowlevel.ParkingLot()
+        #: The pulling task while it waits for an output (one pull at a time).
+        self._waiter: trio.lowlevel.Task | None = None
 
     def __aiter__(self) -> SimStream:
         return self
@@ -236,7 +255,7 @@ class SimStream:
                     raise StopAsyncIteration
                 if not self._tm.running:
                     raise trio.ClosedResourceError("the SimEngine is not running")
-                await self._lot.park()
+                await self._wait()
             ok = True
         finally:
             self._pulling = False
@@ -254,7 +273,17 @@ class SimStream:
         await trio.lowlevel.checkpoint()
 
     def wake(self) -> None:
-        self._lot.unpark_all()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            trio.lowlevel.reschedule(waiter)
+
+    async def _wait(self) -> None:
+        self._waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abandon_wait)
+
+    def _abandon_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._waiter = None  # cancelled: ``wake`` must not reschedule it
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def _finish(self) -> None:
         self._closed = True
@@ -280,7 +309,7 @@ class SimStream:
         self._outputs.put(out)
         if out["meta_info"]["finish_reason"] is not None:
             self._unfinished -= 1
-        self._lot.unpark_all()
+        self.wake()
 
     async def _submit(self) -> None:
         if not self._tm.running:
@@ -318,7 +347,8 @@ class SimStream:
         for i, state in enumerate(states):
             # SGLang: a scalar room on an expanded request is room + i per child.
             state.room = room + i if isinstance(room, int) and multi else rooms[i // n]
-            state.at = BootstrapAddr(hosts[i // n], ports[i // n])
+            host, port = hosts[i // n], ports[i // n]
+            state.at = _NOWHERE if host is None and port is None else BootstrapAddr(host, port)
         for state in states:  # registration comes before any await
             self._tm.register(state)
         await trio.sleep(timing.tokenize_delay)
@@ -361,6 +391,10 @@ class SimStream:
         state = ReqState(rid, index, seed, prompt.tokens, max_new_tokens, self._deliver, prompt.key)
         self._states.append(state)
         return state
+
+
+#: A request without bootstrap fields: one address for all of them.
+_NOWHERE = BootstrapAddr()
 
 
 def _per_prompt(value: Any, prompts: int) -> list[Any]:

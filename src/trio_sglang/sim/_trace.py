@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import trio
 
@@ -30,8 +29,10 @@ TraceKind = Literal[
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class TraceEvent:
+class TraceEvent(NamedTuple):
+    """One thing the SimEngine did. A tuple of plain values: the collector stops
+    tracking it after one pass, so a long trace costs full collections nothing."""
+
     time: float
     kind: TraceKind
     rid: str
