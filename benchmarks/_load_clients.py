@@ -59,9 +59,9 @@ ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 #: How a request ended. A client that leaves "before the first token" may be
 #: early enough that no response (not even its headers) came back yet.
 Outcome = Literal[
-    "completed", "left_before_response", "left_before_first_token", "left_mid_stream", "failed"
+    "completed", "left_before_headers", "left_before_first_token", "left_mid_stream", "failed"
 ]
-LEFT: tuple[Outcome, ...] = ("left_before_response", "left_before_first_token", "left_mid_stream")
+LEFT: tuple[Outcome, ...] = ("left_before_headers", "left_before_first_token", "left_mid_stream")
 
 _ERROR_EVENT = '{"error"'
 
@@ -210,7 +210,7 @@ def _outcome(seen: _Seen, leave_after: float | None, cut: bool, tally: Tally) ->
     if seen.done:
         return "completed"  # including one that ended before its moment to leave
     if seen.status is None:
-        phase: Outcome = "left_before_response"
+        phase: Outcome = "left_before_headers"
     else:
         phase = "left_mid_stream" if seen.tokens else "left_before_first_token"
     if cut and leave_after is not None:

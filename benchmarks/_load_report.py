@@ -34,7 +34,7 @@ _QUANTILE_METHOD = (
 _COLUMNS: tuple[tuple[str, Outcome | None], ...] = (
     ("requests", None),
     ("completed", "completed"),
-    ("left, no response yet", "left_before_response"),
+    ("left, no response yet", "left_before_headers"),
     ("left before 1st token", "left_before_first_token"),
     ("left mid-stream", "left_mid_stream"),
     ("failed", "failed"),

@@ -1,6 +1,12 @@
 """Where in a request's life the cancel lands, and the engine timing that puts it there.
 
-Each phase pairs SimEngine delays with a window of cancel offsets (seconds
+"Phase" is the project's one vocabulary (``trio_sglang._phases``): where the
+request was when its caller left. A cell of this benchmark is named after the
+phase it aims its cancels at (``slow_tokenization`` aims at ``tokenizing``
+with a longer tokenization, ``at_once`` at ``before_first_token``, all at one
+instant), and ``observe_phase`` says which phase each cancel really landed in.
+
+Each cell pairs SimEngine delays with a window of cancel offsets (seconds
 after the stream started its life: its first pull, or for
 ``before_registration`` the wait before it). The windows keep tens of
 milliseconds of margin on both sides, so that the event loop's lag at 1,000
@@ -16,9 +22,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 import trio_sglang as ts
 from _approaches import StreamRecord
+from trio_sglang._phases import Phase as Observed
 
 __all__ = ["AT_ONCE", "PHASES", "Phase", "cancel_offsets", "observe_phase"]
 
@@ -31,7 +39,7 @@ MAX_NEW_TOKENS = 100_000
 class Phase:
     name: str
     #: The phase ``observe_phase`` should see at the cancel.
-    expected: str
+    expected: Observed
     #: The cancel offset is drawn uniformly from this window.
     window: tuple[float, float]
     tokenize_delay: float = 0.005
@@ -118,7 +126,7 @@ def cancel_offsets(phase: Phase, count: int, seed: int) -> list[float]:
     return [rng.uniform(low, high) for _ in range(count)]
 
 
-def observe_phase(engine: ts.Engine, rec: StreamRecord) -> str:
+def observe_phase(engine: ts.Engine, rec: StreamRecord) -> Observed | Literal["ended"]:
     """The request's phase at the cancel, from what the engine shows and the consumer saw."""
     phase = engine.phase(rec.rid)
     if phase is ts.RequestPhase.REGISTERED:

@@ -186,11 +186,11 @@ def test_a_request_never_let_go_has_no_release_and_one_never_seen_is_counted() -
 
 
 def test_phases_parse_to_both_closes_unless_one_is_named() -> None:
-    assert [p.name for p in parse_phases(["stay", "mid_stream", "after_send:reset"])] == [
+    assert [p.name for p in parse_phases(["stay", "mid_stream", "before_headers:reset"])] == [
         "stay",
         "mid_stream:close",
         "mid_stream:reset",
-        "after_send:reset",
+        "before_headers:reset",
     ]
     assert len(ALL_PHASES) == 9
     for bad in ("soon", "stay:reset", "mid_stream:drop"):
@@ -304,7 +304,7 @@ def test_against_serve_the_figures_match_the_servers_own(serve: str, tmp_path: P
         delta(after, before, "trio_sglang_cancellations_total", phase=where)
         for where in ("before_headers", "before_first_token", "mid_stream")
     )
-    early = sum(phases[f"after_send:{how}"].left for how in ("close", "reset"))
+    early = sum(phases[f"before_headers:{how}"].left for how in ("close", "reset"))
     left = sum(phase.left for phase in leaving)
     assert left - early <= cancelled <= left
     # Every completed request (the control and the warm-up) finished at the engine.

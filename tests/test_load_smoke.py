@@ -62,6 +62,20 @@ def load() -> Iterator[Any]:
         )
 
 
+# -- one vocabulary of phases -------------------------------------------------------
+
+
+def test_every_phase_a_client_leaves_in_is_a_word_of_the_projects_vocabulary(load: Any) -> None:
+    """The load test and ``bench-endpoint`` name the moment a client left as the server does
+    (whose phases, and the cancel benchmark's, are typed by it: mypy checks those)."""
+    from trio_sglang._phases import PHASES
+    from trio_sglang.bench_endpoint._phases import LEAVES
+
+    left = {outcome.removeprefix("left_") for outcome in load.clients.LEFT}
+    assert left <= set(PHASES), left - set(PHASES)
+    assert set(LEAVES) - {"stay"} <= set(PHASES), set(LEAVES) - set(PHASES)
+
+
 # -- the SimEngine and the server's metrics ----------------------------------------
 
 
@@ -156,9 +170,9 @@ def test_scrape_reads_labels_and_differences(load: Any) -> None:
         ({"status": 200, "tokens": 16, "done": True}, 9.0, False, "completed", None),
         ({"status": 200, "tokens": 3}, 1.0, True, "left_mid_stream", None),
         ({"status": 200}, 0.05, True, "left_before_first_token", None),
-        ({}, 0.01, True, "left_before_response", None),
+        ({}, 0.01, True, "left_before_headers", None),
         ({"status": 200, "tokens": 3}, None, True, "failed", "timed out mid stream"),
-        ({}, None, True, "failed", "timed out before response"),
+        ({}, None, True, "failed", "timed out before headers"),
         ({"status": 200, "tokens": 3}, None, False, "failed", "stream ended without [DONE]"),
         ({"status": 503}, None, False, "failed", "HTTP 503"),
         ({"status": 200, "error": 503, "done": True}, None, False, "failed", "error event 503"),

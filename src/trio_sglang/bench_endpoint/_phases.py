@@ -1,8 +1,9 @@
 """The ways a client leaves, each with a clean close or a reset, and the control that stays.
 
-A phase is named ``WHEN:HOW``: ``after_send:reset``, ``mid_stream:close``;
-``stay`` is the control. On the command line a bare ``WHEN`` means both
-``WHEN:close`` and ``WHEN:reset``.
+A phase is named ``WHEN:HOW``: ``before_headers:reset``, ``mid_stream:close``;
+``stay`` is the control. ``WHEN`` is a phase of the project's one vocabulary
+(``trio_sglang._phases``), as the server's own metric names it. On the
+command line a bare ``WHEN`` means both ``WHEN:close`` and ``WHEN:reset``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from typing import Literal, get_args
 
 __all__ = ["ALL_PHASES", "LEAVES", "MEANING", "Leave", "Phase", "parse_phases"]
 
-Leave = Literal["stay", "after_send", "before_first_token", "first_token", "mid_stream"]
+Leave = Literal["stay", "before_headers", "before_first_token", "first_token", "mid_stream"]
 LEAVES: tuple[Leave, ...] = get_args(Leave)
 
 #: What each way of leaving means, for the help.
 MEANING = {
     "stay": "read to the end (the control: TTFT, ITL, the token count)",
-    "after_send": "close right after the request is sent, before any answer",
+    "before_headers": "close right after the request is sent, before any answer",
     "before_first_token": "close after --leave-delay, before the first token",
     "first_token": "close just after the first token",
     "mid_stream": "close after --mid-stream-chunks token events",

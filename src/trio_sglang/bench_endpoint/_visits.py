@@ -103,7 +103,7 @@ async def visit(
             leave = trio.CancelScope()
             if phase.leave == "before_first_token":
                 leave.deadline = record.sent_at + rule.delay
-            sent = leave_when_sent(leave) if phase.leave == "after_send" else None
+            sent = leave_when_sent(leave) if phase.leave == "before_headers" else None
             try:
                 with leave:
                     await _read(client, target, body, phase, rule, record, sent)
@@ -158,7 +158,7 @@ async def _read(
 def _leaves_now(phase: Phase, rule: LeaveRule, record: Visit) -> bool:
     """After a token event: whether the client goes now (a token that comes before the
     ``before_first_token`` delay is the moment too: that client is counted as early)."""
-    if phase.leave in ("first_token", "before_first_token", "after_send"):
+    if phase.leave in ("first_token", "before_first_token", "before_headers"):
         return True
     return phase.leave == "mid_stream" and len(record.token_times) >= rule.chunks
 

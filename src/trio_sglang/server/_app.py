@@ -26,6 +26,7 @@ from .._engine import ChatTemplating
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
+from .._phases import Phase
 from .._protocol import ChatPlan, CompletionPlan, NativePlan, OpenAIPlan, Plan, sse_event
 from ._admission import Admission, Refused
 from ._asgi import (
@@ -302,7 +303,7 @@ class ServerApp:
                 nursery.cancel_scope.cancel()
         finally:
             self._inflight.discard(ctx)
-        phase = None
+        phase: Phase | None = None
         if outcome == "cancelled":
             phase = "mid_stream" if plan.children else "before_first_token"
         self._count(endpoint, outcome, phase=phase)
@@ -443,7 +444,7 @@ class ServerApp:
         await send_sse(send, sse_event(error.body()))
         await send_sse(send, SSE_DONE, more=False)
 
-    def _count(self, endpoint: str, outcome: Outcome, *, phase: str | None = None) -> None:
+    def _count(self, endpoint: str, outcome: Outcome, *, phase: Phase | None = None) -> None:
         self.metrics.requests.labels(endpoint, outcome).inc()
         if phase is not None:
             self.metrics.cancellations.labels(phase).inc()

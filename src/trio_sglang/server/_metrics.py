@@ -89,7 +89,8 @@ class ServerMetrics:
             self.requests_refused.labels(reason)
         self.cancellations = Counter(
             "trio_sglang_cancellations",
-            "Requests whose client went away, by how far the response had got.",
+            "Requests whose client went away, by the phase it left in: before_headers, "
+            "before_first_token or mid_stream.",
             ["phase"],
             registry=self.registry,
         )
