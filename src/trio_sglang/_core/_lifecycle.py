@@ -88,6 +88,8 @@ class State(enum.Enum):
 
 
 class Event(enum.Enum):
+    """What moves a request's ``State``."""
+
     __hash__ = object.__hash__
 
     #: The caller's first pull.
