@@ -216,6 +216,13 @@ def _shutdown(shutdown: dict[str, Any] | None) -> Target:
         f"grace {1e3 * shutdown['grace_s']:.0f} ms + {over:.0f} ms; bare trio {fmt_ms(floor)} ms "
         f"({ratio}{shutdown['pending_cleanups']:,} pending, {shutdown['pending_tasks']:,} tasks)"
     )
+    shaped = shutdown.get("trio_shaped_floor_ms")
+    if shaped is not None:  # recorded runs before it had none
+        shape = shutdown["worker_shape"]
+        measured += (
+            f"; trio alone at the worker's shape ({shape['frames']} frames, "
+            f"{shape['cancel_scopes']} cancel scopes a task) {fmt_ms(float(shaped))} ms"
+        )
     met = over <= 2 * floor and shutdown["pending_cleanups"] >= 1000
     return Target(what, target, measured, met, "time")
 

@@ -28,6 +28,11 @@ one: the tasks alive in the run when the clock starts, less those alive with
 the same worker open and idle. That is every task the exit has to end, the
 engine's included (the SimEngine adds none per request here).
 
+Beside the floor, and judged by nothing, the same floor at the worker's own
+shape (``WORKER_SHAPE``): trio's cost of unwinding tasks as deep as the
+worker's, each inside the cancel scopes its waits are bounded by, so that the
+reader can tell that from the worker's own work.
+
 The floor runs right after the exit, in the same process and run, in the
 same heap (the setup's streams stay alive until it is done), with the
 collector on. Each of the two starts the same way: a collection before its
@@ -57,7 +62,14 @@ import trio_sglang as ts
 from _cells import wait_events
 from _trio_floor import bare_trio_shutdown, collector_ms
 
-__all__ = ["live_tasks", "shutdown_time"]
+__all__ = ["WORKER_SHAPE", "live_tasks", "shutdown_time"]
+
+#: A pending task of the worker on this engine, as (frames above its park, cancel scopes
+#: among them): the reader (its task, the reading, the engine stream, its tokenizing
+#: sleep: the reader's pull scope and the sleep's), the ordered abort (its task, its
+#: cleanup deadline, the abort, the engine's wait for the dispatch: that deadline and
+#: the dispatch wait's).
+WORKER_SHAPE = (6, 2)
 
 REQUEST: dict[str, Any] = {
     "text": "shut down while I wait",
@@ -110,6 +122,9 @@ async def shutdown_time(pending: int, grace: float = 0.25) -> dict[str, Any]:
     # (``contexts``, ``engine``) stay alive: the heap the shutdown had.
     gc.collect()
     floor, floor_gc = await bare_trio_shutdown(held)
+    gc.collect()
+    depth, scopes = WORKER_SHAPE
+    shaped, _ = await bare_trio_shutdown(held, depth=depth, scopes=scopes)
     return {
         "pending_cleanups": waiting,
         "pending_tasks": held,
@@ -119,4 +134,6 @@ async def shutdown_time(pending: int, grace: float = 0.25) -> dict[str, Any]:
         "gc_ms": sum(collections),
         "trio_floor_ms": floor,
         "trio_floor_gc_ms": floor_gc,
+        "trio_shaped_floor_ms": shaped,
+        "worker_shape": {"frames": depth, "cancel_scopes": scopes},
     }

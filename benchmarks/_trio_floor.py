@@ -24,6 +24,12 @@ cancel reaches the tasks, and share the code below:
   to the collector (``collector_ms``), as the shutdown does: neither is
   collected by hand between its setup and its clock, so a full collection
   can land in either, and the reader should see where it did.
+
+``bare_trio_shutdown`` also takes a shape: each task parked ``depth`` frames
+deep, ``scopes`` of them inside a cancel scope of their own. The shutdown
+report prints that floor at the worker's own shape beside the bare one, so
+that a reader can tell trio's cost of unwinding bounded tasks from the
+worker's work; the verdict stays with the bare floor.
 """
 
 from __future__ import annotations
@@ -52,14 +58,15 @@ async def bare_trio_burst_ms(count: int) -> float:
     return elapsed
 
 
-async def bare_trio_shutdown(count: int) -> tuple[float, float]:
+async def bare_trio_shutdown(count: int, *, depth: int = 0, scopes: int = 0) -> tuple[float, float]:
     """Milliseconds from one ``cancel()`` until the last of ``count`` tasks has exited.
 
     The tasks are parked in one nursery under one cancel scope, which is
-    cancelled once, as a shutdown's deadline cancels a worker's pending cleanup.
+    cancelled once, as a shutdown's deadline cancels a worker's pending cleanup;
+    each ``depth`` frames deep, ``scopes`` of them in a cancel scope each.
     Returns those milliseconds and how many of them went to collections.
     """
-    return await _cancel_parked(count, scope_each=False)
+    return await _cancel_parked(count, scope_each=False, depth=depth, bounds=scopes)
 
 
 @contextmanager
@@ -82,7 +89,9 @@ def collector_ms() -> Iterator[list[float]]:
         gc.callbacks.remove(timed)
 
 
-async def _cancel_parked(count: int, *, scope_each: bool) -> tuple[float, float]:
+async def _cancel_parked(
+    count: int, *, scope_each: bool, depth: int = 0, bounds: int = 0
+) -> tuple[float, float]:
     """Park ``count`` tasks, wait until all are blocked, cancel them.
 
     Returns the milliseconds until all have exited, and the milliseconds of
@@ -93,8 +102,15 @@ async def _cancel_parked(count: int, *, scope_each: bool) -> tuple[float, float]
     all_parked = trio.Event()
     parked = 0
 
-    async def park() -> None:
+    async def park(frames: int = depth, within: int = bounds) -> None:
         nonlocal parked
+        if frames > 0:  # one frame deeper, the outermost ones in a scope
+            if within > 0:
+                with trio.CancelScope(deadline=trio.current_time() + FLOOR_BOUND):
+                    await park(frames - 1, within - 1)
+            else:
+                await park(frames - 1, 0)
+            return
         parked += 1
         if parked == count:
             all_parked.set()

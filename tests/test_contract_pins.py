@@ -80,6 +80,18 @@ async def test_aclose_outside_a_pull_ends_the_stream_and_not_the_block(
             assert ran_on, f"aclose after {pulls} pull(s) cancelled the block"
 
 
+async def test_a_stream_read_outside_its_block_says_where_to_read_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with ts.open_worker(slow_sim()) as worker:
+        stream = worker.generate(HELLO, ts.RequestContext("pub"))
+        with pytest.raises(RuntimeError, match="inside its block"):
+            await stream.__anext__()
+        with pytest.raises(RuntimeError, match="inside its block"):
+            await stream.aclose()
+        assert worker.open_streams == 0  # nothing was opened, nothing reached the engine
+
+
 def test_a_move_the_state_table_does_not_list_is_refused_by_name() -> None:
     """A bug in the lifecycle shows at once, naming the event and the state."""
     request = lifecycle(SlowAbortEngine(), CleanupGroup())

@@ -93,22 +93,26 @@ class ResponseStream:
     @property
     def id(self) -> str:
         """The request's public id (text chunks carry it)."""
-        return self._life.ids.request
+        return self._entered().ids.request
 
     @property
     def closed(self) -> bool:
-        return self._life.closed
+        return self._entered().closed
 
     def __aiter__(self) -> ResponseStream:
         return self
 
     def __anext__(self) -> Coroutine[Any, Any, dict[str, Any]]:
         # The lifecycle's own coroutine: a view adds no frame to the pull, the hot path.
-        return self._life.pull()
+        try:
+            life = self._life
+        except AttributeError:
+            raise _not_entered() from None
+        return life.pull()
 
     async def aclose(self) -> None:
         """End the stream now; the engine-side cleanup goes on in the worker."""
-        life = self._life
+        life = self._entered()
         if life.pulling:
             # Another task is inside a pull: ending the block is the only way
             # to stop it at once (the pull itself then leaves).
@@ -116,6 +120,12 @@ class ResponseStream:
         else:
             life.leave()
         await trio.lowlevel.checkpoint()
+
+    def _entered(self) -> Lifecycle:
+        try:
+            return self._life
+        except AttributeError:
+            raise _not_entered() from None
 
     async def __aenter__(self) -> ResponseStream:
         if hasattr(self, "_life"):
@@ -141,6 +151,12 @@ class ResponseStream:
         if error is not None:
             raise error from error.__cause__  # the prefill's failure, or nothing
         return swallowed
+
+
+def _not_entered() -> RuntimeError:
+    return RuntimeError(
+        "a stream is read inside its block: async with worker.generate(...) as chunks"
+    )
 
 
 @dataclass(frozen=True, slots=True)
