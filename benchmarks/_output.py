@@ -224,9 +224,10 @@ _KEEP = "\N{NO-BREAK SPACE}"
 
 def target_lines(targets: Iterable[Target]) -> list[str]:
     """Each target's line (``[met]  what: measured (target ...)``) in ``WIDTH`` columns,
-    wrapped between its parts rather than inside a figure, under its verdict."""
+    wrapped between its parts, or after a ``;`` inside one, rather than inside a figure,
+    under its verdict."""
     lines = []
     for target in targets:
-        text = target.line(keep=lambda part: part.replace(" ", _KEEP))
+        text = target.line(keep=lambda part: part.replace(" ", _KEEP).replace(f";{_KEEP}", "; "))
         lines += [line.replace(_KEEP, " ") for line in wrap(text, hang=15)]
     return lines
