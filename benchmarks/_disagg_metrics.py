@@ -39,11 +39,14 @@ from typing import Any
 
 from _disagg_run import RunData
 from _stats import Stats, percentiles
+from trio_sglang._phases import Phase
 
 __all__ = ["HELD_AFTER", "PHASES", "ApproachResult", "PhaseResult", "summarize"]
 
 #: A request's life, as the benchmark names where a cancel landed (prefill side / decode side).
-PHASES: dict[str, str] = {
+#: The phases of the project's vocabulary (``trio_sglang._phases``) a pair's cancel can
+#: land in, as each side of the pair sees it.
+PHASES: dict[Phase, str] = {
     "tokenizing": "both legs tokenizing, not yet at either scheduler",
     "bootstrap": "prefill in its bootstrap queue / decode in prealloc (the handshake)",
     "waiting": "prefill waiting behind other prefills / decode waiting for its KV cache",
@@ -132,7 +135,7 @@ class ApproachResult:
     live_at_end: int
     aborts_lost: int
     bound_hits: int
-    phases: dict[str, PhaseResult]
+    phases: dict[Phase, PhaseResult]
     #: Sim seconds until the last client left, and until the engines were empty.
     last_client_s: float
     settled_s: float
@@ -302,7 +305,7 @@ def _hold(decode: _DecodeLife | None, cancel: float) -> float:
     return max(0.0, decode.ended - cancel)
 
 
-def _phase(cancel: float, prefill: _PrefillLife | None, decode: _DecodeLife | None) -> str:
+def _phase(cancel: float, prefill: _PrefillLife | None, decode: _DecodeLife | None) -> Phase:
     """The last milestone the request had passed at ``cancel`` names its phase."""
 
     def passed(moment: float | None) -> bool:

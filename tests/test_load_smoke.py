@@ -66,7 +66,8 @@ def load() -> Iterator[Any]:
 
 
 def test_every_phase_a_client_leaves_in_is_a_word_of_the_projects_vocabulary(load: Any) -> None:
-    """The load test and ``bench-endpoint`` name the moment a client left as the server does
+    """The load test, ``bench-endpoint`` and the prefill/decode benchmark name the moment a
+    client left as the server does
     (whose phases, and the cancel benchmark's, are typed by it: mypy checks those)."""
     from trio_sglang._phases import PHASES
     from trio_sglang.bench_endpoint._phases import LEAVES
@@ -74,6 +75,9 @@ def test_every_phase_a_client_leaves_in_is_a_word_of_the_projects_vocabulary(loa
     left = {outcome.removeprefix("left_") for outcome in load.clients.LEFT}
     assert left <= set(PHASES), left - set(PHASES)
     assert set(LEAVES) - {"stay"} <= set(PHASES), set(LEAVES) - set(PHASES)
+    import _disagg_metrics
+
+    assert set(_disagg_metrics.PHASES) <= set(PHASES), set(_disagg_metrics.PHASES) - set(PHASES)
 
 
 # -- the SimEngine and the server's metrics ----------------------------------------
