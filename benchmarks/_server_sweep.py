@@ -51,9 +51,10 @@ WINDOW = 2.5
 #: How often it is looked at.
 POLL = 0.002
 SLOW_TOKENIZE = 0.5
-#: When a client leaves: (the prompt, seconds after sending, data chunks read first).
+#: When a client leaves, named after the phase it aims at (``trio_sglang._phases``), with
+#: what puts it there: (the prompt, seconds after sending, data chunks read first).
 SERVER_PHASES: dict[str, tuple[str, float, int]] = {
-    "at_send": ("hello world", 0.0, 0),
+    "before_headers": ("hello world", 0.0, 0),
     "slow_tokenization": (SLOW_PROMPT + "hello world", 0.1, 0),
     "mid_stream": ("hello world", 0.0, 2),
 }

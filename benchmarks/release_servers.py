@@ -48,9 +48,10 @@ TOKEN_INTERVAL = 0.01  # 4 s to decode MAX_NEW_TOKENS: still decoding at the win
 SLOW_TOKENIZE = 0.5
 #: From the close: SGLang's server aborts a disconnected stream after 2 s.
 WINDOW = 3.0
-#: When a client leaves: (prompt, n, seconds after sending, data chunks read first).
+#: When a client leaves, named after the phase it aims at (``trio_sglang._phases``), with
+#: what puts it there: (prompt, n, seconds after sending, data chunks read first).
 PHASES: dict[str, tuple[str, int, float, int]] = {
-    "at_send": ("hello world", 1, 0.0, 0),
+    "before_headers": ("hello world", 1, 0.0, 0),
     "slow_tokenization": (SLOW_PROMPT + "hello world", 1, 0.1, 0),
     "mid_stream": ("hello world", 1, 0.0, 2),
     "n2_mid_stream": ("hello world", 2, 0.0, 2),

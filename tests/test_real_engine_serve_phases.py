@@ -52,8 +52,8 @@ def test_a_client_gone_during_a_slow_tokenization_never_reaches_the_scheduler(
         assert (ran, left) == (False, False)
 
 
-@pytest.mark.parametrize("phase", ["at_send", "mid_stream"])
-def test_a_client_gone_at_send_or_mid_stream_is_stopped_at_once(
+@pytest.mark.parametrize("phase", ["before_headers", "mid_stream"])
+def test_a_client_gone_before_headers_or_mid_stream_is_stopped_at_once(
     sweep: Any, server: Any, phase: str
 ) -> None:
     """Stopped within a fraction of the request's decode (400 tokens: about a second)."""
