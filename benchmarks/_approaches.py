@@ -12,6 +12,13 @@ callback would. What differs is what happens at the engine afterwards:
   registry with a growing backoff, wait a bounded time for dispatch, abort,
   and retry the same rid when dispatch was not seen.
 
+One more, ``engine-alone``, is no strategy but a floor (``FLOORS``): the
+engine stream read in the consumer's own task inside a cancel scope, with
+nothing around it, so that a cancelled pull runs only the engine's own
+release path. It is right only on an engine that releases on close; the
+at-once burst runs it beside trio-sglang to show what the engine and this
+harness cost before any lifecycle.
+
 The baselines use only the public ``Engine`` protocol (generate, phase,
 abort, closing the stream) and own every task they start in a nursery, with
 a bound on each wait: they are faithful models of asyncio code, not straw men
@@ -34,6 +41,8 @@ import trio_sglang as ts
 
 __all__ = [
     "APPROACHES",
+    "ENGINE_ALONE",
+    "FLOORS",
     "Approach",
     "ApproachFactory",
     "RecordingEngine",
@@ -420,13 +429,46 @@ def _baseline_factory(kind: type[_Baseline]) -> ApproachFactory:
     return open_baseline
 
 
+# -- the floor: the engine alone ----------------------------------------------------
+
+
+class EngineAlone:
+    """The engine stream, read in the consumer's task: the engine's release path, nothing else."""
+
+    def __init__(self, engine: ts.Engine) -> None:
+        if not engine.features().release_on_close:
+            raise ValueError("engine-alone stops requests only on an engine that releases on close")
+        self._engine = engine
+
+    @property
+    def pending(self) -> int:
+        return 0  # it starts no task: the cancelled pull released the request
+
+    @asynccontextmanager
+    async def stream(self, request: Mapping[str, Any], rec: StreamRecord) -> AsyncIterator[Chunks]:
+        rec.rid = uuid.uuid4().hex
+        with trio.CancelScope() as scope:
+            rec.cancel = scope.cancel
+            yield self._engine.generate({**request, "rid": rec.rid, "stream": True})
+
+
+@asynccontextmanager
+async def _open_engine_alone(engine: ts.Engine) -> AsyncIterator[Approach]:
+    async with engine.running():
+        yield EngineAlone(engine)
+
+
 APPROACHES: dict[str, ApproachFactory] = {
     "trio-sglang": _open_trio_sglang,
     "first-response": _baseline_factory(FirstResponse),
     "poll-then-abort": _baseline_factory(PollThenAbort),
 }
 
+ENGINE_ALONE = "engine-alone"
+#: Not strategies: what the same harness costs with no lifecycle (see the module's docstring).
+FLOORS: dict[str, ApproachFactory] = {ENGINE_ALONE: _open_engine_alone}
+
 
 def open_approach(name: str, engine: ts.Engine) -> AbstractAsyncContextManager[Approach]:
-    """Run ``engine`` with the named approach on top, for the life of the block."""
-    return APPROACHES[name](engine)
+    """Run ``engine`` with the named approach (or floor) on top, for the life of the block."""
+    return {**APPROACHES, **FLOORS}[name](engine)

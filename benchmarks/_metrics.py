@@ -95,6 +95,16 @@ class CellResult:
     def cpu_us_per_cancel(self) -> float:
         return 1e6 * self.cpu_s / max(1, self.cancels)
 
+    @property
+    def all_stopped_ms(self) -> float | None:
+        """When the last caller's stream had closed and the engine let go of the last request.
+
+        None if some request was never stopped.
+        """
+        closed = percentiles(self.stream_close_ms)["max"]
+        stopped = percentiles(self.abort_delay_ms)["max"]
+        return None if closed is None or stopped is None else max(closed, stopped)
+
 
 def _index_trace(
     trace: Iterable[ts.TraceEvent], records: Sequence[StreamRecord]

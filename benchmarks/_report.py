@@ -173,13 +173,12 @@ def _at_once(cells: Sequence[CellResult]) -> Target:
     if not plain:
         return Target(what, target, "not run", None, "time")
     cell = plain[0]
-    closed = percentiles(cell.stream_close_ms)["max"]
-    stopped = percentiles(cell.abort_delay_ms)["max"]
-    worst = None if closed is None or stopped is None else max(closed, stopped)
+    worst = cell.all_stopped_ms
     measured = f"{cell.concurrency:,} stopped in {fmt_ms(worst)} ms"
-    floor = cell.extra.get("trio_floor_ms")
-    if floor and worst is not None:
-        measured += f"; bare trio {fmt_ms(floor)} ms ({worst / floor:.1f}x)"
+    for key, floor_is in (("trio_floor_ms", "bare trio"), ("engine_floor_ms", "the engine alone")):
+        floor = cell.extra.get(key)
+        if floor and worst is not None:
+            measured += f"; {floor_is} {fmt_ms(floor)} ms ({worst / floor:.1f}x)"
     met = worst is not None and worst <= 500 and cell.concurrency >= 10_000
     return Target(what, target, measured, met, "time")
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trio.testing import MockClock
 
-from _approaches import APPROACHES
+from _approaches import APPROACHES, ENGINE_ALONE
 from _cells import CellPlan, run_at_once, run_cell
 from _output import Progress, add_file_options, cores, machine, results_folder, write_json
 from _overhead import memory_per_request, throughput_ratio
@@ -174,11 +174,15 @@ async def run_benchmark(config: Config, progress: Progress | None = None) -> Rep
         report.results.append(await run_cell(plan))
         steps.step_done()
     for approach, frozen in config.at_once_runs():
-        label = " (gc frozen)" if frozen else ""
+        floors = approach == "trio-sglang" and not frozen
+        label = " (gc frozen)" if frozen else ", and its two floors" if floors else ""
         steps.start(f"{config.at_once:,} streams cancelled at once: {approach}{label}")
         burst = await run_at_once(approach, config.at_once, freeze_gc=frozen)
-        if approach == "trio-sglang" and not frozen:
+        if floors:
             burst.extra["trio_floor_ms"] = round(await bare_trio_burst_ms(config.at_once), 1)
+            alone = await run_at_once(ENGINE_ALONE, config.at_once)
+            if alone.all_stopped_ms is not None and not alone.leaked:
+                burst.extra["engine_floor_ms"] = round(alone.all_stopped_ms, 1)
         report.at_once.append(burst)
         steps.step_done()
     if config.shutdown_pending:

@@ -66,7 +66,8 @@ def test_tiny_run_has_the_documented_shape(report: Any) -> None:
     assert data["memory"]["bytes_per_request"] > 0
     assert data["shutdown"]["pending_cleanups"] == 20
     assert [cell["approach"] for cell in data["at_once"]] == ["trio-sglang"]
-    assert data["at_once"][0]["trio_floor_ms"] > 0  # the floor ran beside the burst
+    assert data["at_once"][0]["trio_floor_ms"] > 0  # the floors ran beside the burst
+    assert data["at_once"][0]["engine_floor_ms"] > 0
     assert len(data["targets"]) == 9
     keys = {"what", "target", "measured", "met", "verdict", "judged"}
     assert all(set(t) == keys for t in data["targets"])
@@ -204,6 +205,53 @@ def test_busy_machine_judges_only_counts(
         if any(what in line for what in ("stream close p99", "tokens/s", "shutdown with")):
             assert "met" not in line
             assert "MISSED" not in line
+
+
+# -- the at-once burst and its two floors ----------------------------------------------
+
+
+def test_the_engine_alone_floor_releases_every_request_through_the_engine(
+    bench: ModuleType,
+) -> None:
+    import _cells
+
+    cell = trio.run(_cells.run_at_once, "engine-alone", 30)
+    # Each cancelled pull ran the engine's own release path: every stream closed,
+    # every request was aborted at the engine once, and nothing was left behind.
+    assert len(cell.stream_close_ms) == len(cell.abort_delay_ms) == 30
+    assert (cell.aborts_lost, cell.leaked, cell.unstopped) == (0, 0, 0)
+    assert cell.all_stopped_ms is not None
+
+
+def test_the_engine_alone_floor_refuses_an_engine_that_does_not_release_on_close(
+    bench: ModuleType,
+) -> None:
+    import _approaches
+    import trio_sglang as ts
+
+    with pytest.raises(ValueError, match="releases on close"):
+        _approaches.EngineAlone(ts.SimEngine(release_on_close=False))
+
+
+def test_the_burst_line_shows_both_floors(bench: ModuleType, report: Any) -> None:
+    import _report
+
+    (cell,) = [c for c in report.at_once if c.approach == "trio-sglang"]
+    cell = _copy_cell(cell, stream_close_ms=[300.0], abort_delay_ms=[600.0])
+    cell.extra.update(trio_floor_ms=300.0, engine_floor_ms=400.0)
+    target = _report._at_once([cell])
+    assert target.measured == (
+        f"{cell.concurrency:,} stopped in 600 ms; bare trio 300 ms (2.0x); "
+        "the engine alone 400 ms (1.5x)"
+    )
+    del cell.extra["engine_floor_ms"]  # runs recorded before it had no engine floor
+    assert _report._at_once([cell]).measured.endswith("bare trio 300 ms (2.0x)")
+
+
+def _copy_cell(cell: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(cell, extra=dict(cell.extra), **changes)
 
 
 # -- the shutdown target: the grace plus twice bare trio, measured in the same run ----
