@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,8 +122,8 @@ class RunData:
 
     approach: str
     clients: list[Client]
-    prefill_trace: list[ts.TraceEvent]
-    decode_trace: list[ts.TraceEvent]
+    prefill_trace: Sequence[ts.TraceEvent]
+    decode_trace: Sequence[ts.TraceEvent]
     #: Per client (same order): the rid its prefill leg had at the prefill engine.
     prefill_rids: list[str | None]
     #: Rids either engine still held after the settle.

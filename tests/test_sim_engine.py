@@ -709,3 +709,57 @@ async def test_the_prefix_cache_keeps_no_salt_it_was_given(
     finally:
         tracemalloc.stop()
     assert held < 1 << 20, f"{held} bytes held after 20 salts of 1 MB"
+
+
+# -- the trace: read as a list, costing the collector nothing -----------------------
+
+
+async def test_the_trace_reads_as_a_list_of_events(autojump_clock: trio.testing.MockClock) -> None:
+    from trio_sglang.sim import Trace, TraceEvent
+
+    trace = Trace()
+    assert trace == []
+    assert len(trace) == 0
+    trace.record("registered", "a")
+    await trio.sleep(1.0)
+    trace.record("abort_dropped", "b", "unknown rid")
+    trace.record("released", "a")
+    start = trio.current_time() - 1.0
+    expected = [
+        TraceEvent(start, "registered", "a"),
+        TraceEvent(start + 1.0, "abort_dropped", "b", "unknown rid"),
+        TraceEvent(start + 1.0, "released", "a"),
+    ]
+    assert trace == expected
+    assert list(trace) == expected
+    assert trace[-1] == expected[-1]
+    assert trace[1].detail == "unknown rid"
+    assert trace[1:] == expected[1:]
+    assert isinstance(trace[1:], list)
+    assert trace.of("a") == [expected[0], expected[2]]
+    assert trace.kinds("a") == ["registered", "released"]
+    assert trace.counts == {"registered": 1, "abort_dropped": 1, "released": 1}
+    assert trace != expected[:2]
+    assert trace != "not a trace"
+    counts_only = Trace(keep_events=False)
+    counts_only.record("token", "a")
+    assert counts_only == []
+    assert counts_only.counts["token"] == 1
+
+
+async def test_the_trace_keeps_no_object_per_event() -> None:
+    import gc
+
+    from trio_sglang.sim import Trace, TraceEvent
+
+    def events_alive() -> int:
+        return sum(isinstance(obj, TraceEvent) for obj in gc.get_objects())
+
+    trace = Trace()
+    before = events_alive()
+    for index in range(1000):
+        trace.record("token", f"rid-{index % 10}")
+    # A thousand events, and not one object the collector tracks for them: the
+    # kinds and rids are the callers' strings, the times plain floats.
+    assert len(trace) == 1000
+    assert events_alive() == before

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Literal, NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Literal, NamedTuple, overload
 
 import trio
 
@@ -30,8 +31,7 @@ TraceKind = Literal[
 
 
 class TraceEvent(NamedTuple):
-    """One thing the SimEngine did. A tuple of plain values: the collector stops
-    tracking it after one pass, so a long trace costs full collections nothing."""
+    """One thing the SimEngine did."""
 
     time: float
     kind: TraceKind
@@ -39,28 +39,75 @@ class TraceEvent(NamedTuple):
     detail: str = ""
 
 
-class Trace(list[TraceEvent]):
-    """A list of ``TraceEvent``, stamped with the trio clock as they happen.
+class Trace(Sequence[TraceEvent]):
+    """Every ``TraceEvent`` in order, stamped with the trio clock as it happens.
+
+    Read it as a list of events: index it, slice it (a list), iterate it, or
+    compare it with a list. It keeps them as one column per field, not as
+    event objects: a burst of 10,000 requests records tens of thousands of
+    events, and a tuple per event (a named tuple, even of plain values, stays
+    tracked) would be as many objects for every full collection to walk,
+    where floats and strings in four lists are nothing it walks.
 
     ``counts`` (events per kind) is always kept. The events themselves are
     kept unless ``keep_events`` is false: a test or benchmark reads them
-    afterwards, but a long-running server would grow the list without bound
-    (and every full garbage collection would walk it), so it keeps counts only.
+    afterwards, but a long-running server would grow the columns without
+    bound, so it keeps counts only.
     """
 
+    __slots__ = ("_details", "_kinds", "_rids", "_times", "counts", "keep_events")
+
     def __init__(self, *, keep_events: bool = True) -> None:
-        super().__init__()
         self.keep_events = keep_events
         self.counts: Counter[TraceKind] = Counter()
+        self._times: list[float] = []
+        self._kinds: list[TraceKind] = []
+        self._rids: list[str] = []
+        self._details: list[str] = []
 
     def record(self, kind: TraceKind, rid: str, detail: str = "") -> None:
         self.counts[kind] += 1
         if self.keep_events:
-            self.append(TraceEvent(trio.current_time(), kind, rid, detail))
+            self._times.append(trio.current_time())
+            self._kinds.append(kind)
+            self._rids.append(rid)
+            self._details.append(detail)
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    @overload
+    def __getitem__(self, index: int) -> TraceEvent: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TraceEvent]: ...
+
+    def __getitem__(self, index: int | slice) -> TraceEvent | list[TraceEvent]:
+        if isinstance(index, slice):
+            columns = (self._times, self._kinds, self._rids, self._details)
+            return list(
+                map(TraceEvent._make, zip(*(column[index] for column in columns), strict=True))
+            )
+        return TraceEvent(
+            self._times[index], self._kinds[index], self._rids[index], self._details[index]
+        )
+
+    def __iter__(self) -> Iterator[TraceEvent]:
+        return map(
+            TraceEvent._make, zip(self._times, self._kinds, self._rids, self._details, strict=True)
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Trace | list | tuple):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Trace({list(self)!r})"
 
     def of(self, rid: str) -> list[TraceEvent]:
         """The events of one rid, in order."""
         return [event for event in self if event.rid == rid]
 
     def kinds(self, rid: str) -> list[TraceKind]:
-        return [event.kind for event in self if event.rid == rid]
+        return [kind for kind, of in zip(self._kinds, self._rids, strict=True) if of == rid]
