@@ -217,7 +217,7 @@ def test_the_engine_alone_floor_releases_every_request_through_the_engine(
 
     cell = trio.run(_cells.run_at_once, "engine-alone", 30)
     # Each cancelled pull ran the engine's own release path: every stream closed,
-    # every request was aborted at the engine once, and nothing was left behind.
+    # every request was stopped at the engine, no abort was lost, nothing was left.
     assert len(cell.stream_close_ms) == len(cell.abort_delay_ms) == 30
     assert (cell.aborts_lost, cell.leaked, cell.unstopped) == (0, 0, 0)
     assert cell.all_stopped_ms is not None
