@@ -93,9 +93,7 @@ class Trace(Sequence[TraceEvent]):
         )
 
     def __iter__(self) -> Iterator[TraceEvent]:
-        return map(
-            TraceEvent._make, zip(self._times, self._kinds, self._rids, self._details, strict=True)
-        )
+        return map(TraceEvent._make, self._rows())
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Trace | list | tuple):
@@ -107,8 +105,11 @@ class Trace(Sequence[TraceEvent]):
 
     def of(self, rid: str) -> list[TraceEvent]:
         """The events of one rid, in order (made only for that rid's events)."""
-        columns = zip(self._times, self._kinds, self._rids, self._details, strict=True)
-        return [TraceEvent._make(row) for row in columns if row[2] == rid]
+        return [TraceEvent._make(row) for row in self._rows() if row[2] == rid]
 
     def kinds(self, rid: str) -> list[TraceKind]:
         return [kind for kind, of in zip(self._kinds, self._rids, strict=True) if of == rid]
+
+    def _rows(self) -> Iterator[tuple[float, TraceKind, str, str]]:
+        """The events' fields, row by row, as plain tuples."""
+        return zip(self._times, self._kinds, self._rids, self._details, strict=True)
