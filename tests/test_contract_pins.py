@@ -457,7 +457,7 @@ async def test_aborts_stop_once_the_engine_lets_go_and_the_failures_are_reported
     [
         (
             Faults(stream_error_after=1),
-            "RuntimeError('injected: the engine stream failed')",
+            "RuntimeError: injected: the engine stream failed",
             "injected: the engine stream failed",
         ),
         (Faults(stream_silent_after=1), "no output for 3.0s (engine phase: dispatched)", None),

@@ -763,3 +763,34 @@ async def test_the_trace_keeps_no_object_per_event() -> None:
     # kinds and rids are the callers' strings, the times plain floats.
     assert len(trace) == 1000
     assert events_alive() == before
+
+
+# -- a scheduler that falls behind ----------------------------------------------------
+
+
+async def test_a_request_that_fell_behind_its_cadence_is_not_owed_what_it_missed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A decode step gives each running request one token, however late it runs.
+
+    When the process falls behind (more requests than it decodes for), each pass
+    of the scheduler steps every due request once and yields: before issue 37 it
+    stepped a late request for every interval it had missed, all without a
+    checkpoint, and thousands of requests at a short interval froze the process.
+    """
+    engine = make_engine()
+    async with started(engine) as h:
+        pulled = h.consume(engine.generate(request("r1", max_new_tokens=100)), limit=1)
+        await h.at(FIRST_TOKEN_AT)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(pulled.outputs) == 1
+        autojump_clock.autojump_threshold = math.inf
+        autojump_clock.jump(50 * INTERVAL)  # as if the process had not run for 25 s
+        await trio.testing.wait_all_tasks_blocked()
+        late = [t for t, kind in h.timeline("r1") if kind == "token" and t > FIRST_TOKEN_AT]
+        assert late == [FIRST_TOKEN_AT + 50 * INTERVAL] * 2  # caught up, nothing owed
+        autojump_clock.autojump_threshold = 0
+        await h.at(FIRST_TOKEN_AT + 52.5 * INTERVAL)
+        late = [t for t, kind in h.timeline("r1") if kind == "token" and t > FIRST_TOKEN_AT]
+        assert late[2:] == [FIRST_TOKEN_AT + 51 * INTERVAL, FIRST_TOKEN_AT + 52 * INTERVAL]
+        h.nursery.cancel_scope.cancel()

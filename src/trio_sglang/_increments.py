@@ -62,10 +62,10 @@ class IncrementQueue:
         if self._waiting.get(held.out.get("index", 0)) is held:
             del self._waiting[held.out.get("index", 0)]
         self._tokens -= held.tokens
-        return held.out
+        return held.merged()
 
     def take_all(self) -> list[dict[str, Any]]:
-        outs = [held.out for held in self._entries]
+        outs = [held.merged() for held in self._entries]
         self.clear()
         return outs
 
@@ -76,14 +76,27 @@ class IncrementQueue:
 
 
 class _Held:
-    """One waiting output; merged into, it becomes a copy of its own (the engine's is kept)."""
+    """One waiting output; merged into, it becomes a copy of its own (the engine's is kept).
 
-    __slots__ = ("out", "owned", "tokens")
+    Its text deltas wait in a list, joined once when it is taken: added to a
+    string each, a backlog of n tokens would cost n squared, and a reader
+    that falls far behind would fall further behind for it.
+    """
+
+    __slots__ = ("out", "owned", "texts", "tokens")
 
     def __init__(self, out: dict[str, Any], tokens: int) -> None:
         self.out = out
         self.owned = False
         self.tokens = tokens
+        self.texts: list[str] | None = None
+
+    def merged(self) -> dict[str, Any]:
+        """The output, all that was merged into it included."""
+        if self.texts is not None:
+            self.out["text"] = "".join(self.texts)
+            self.texts = None
+        return self.out
 
     def append(self, out: dict[str, Any], tokens: int) -> None:
         if not self.owned:
@@ -93,7 +106,9 @@ class _Held:
         meta: dict[str, Any] = mine.get("meta_info", {})
         mine.update(out)  # the newest state; then the deltas, added up in lists of our own
         if "text" in out:
-            mine["text"] = text + out["text"]
+            if self.texts is None:
+                self.texts = [text]
+            self.texts.append(out["text"])
         if "output_ids" in out:
             if ids is None:
                 ids = []

@@ -66,7 +66,9 @@ class ServerLimits:
     # -- admission ----------------------------------------------------------
     #: Largest request body taken; a larger one gets 413.
     max_body_bytes: int = 1 << 20
-    #: Generation requests in flight at once; past it, 503 with Retry-After.
+    #: Engine requests in flight at once, as SGLang's scheduler counts them:
+    #: each completion a request asks for (prompts times ``n``) is one. A
+    #: request that would go past it gets 503 with Retry-After.
     max_running_requests: int = 2048
     #: Prompts times ``n`` in one request.
     max_children_per_request: int = 256

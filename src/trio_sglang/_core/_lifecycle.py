@@ -59,7 +59,7 @@ from ._cleanup_group import CleanupGroup
 from ._disagg import PrefillLeg
 from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
-from ._reports import Reports
+from ._reports import Reports, describe
 
 __all__ = ["Lifecycle", "State"]
 
@@ -351,7 +351,7 @@ class Lifecycle:
     def _failed(self, error: BaseException) -> EngineError:
         """The engine's stream raised ``error``: logged whole, and the caller's error."""
         self._reports.fault(
-            "stream_error", self.ids.request, self.unfinished(), repr(error), error=error
+            "stream_error", self.ids.request, self.unfinished(), describe(error), error=error
         )
         # The engine's own error may name internal ids: the caller gets its
         # type (and ``__cause__``), the log gets the whole of it.

@@ -16,7 +16,8 @@ allows, and a refused request never reaches the worker:
   length, and on a decode server the bootstrap address it names, which the
   decode engine would connect to (a request must not make the server reach
   anywhere else: server-side request forgery);
-- ``check_load``, last: the generation requests in flight.
+- ``check_load``, last: the engine requests in flight, each completion of a
+  request counting as one, as SGLang's scheduler counts them.
 
 Each refusal is a ``Refused`` (an ``HTTPError``) and is counted once, as it is
 raised, in ``trio_sglang_requests_refused_total{reason}``.
@@ -130,12 +131,13 @@ class Admission:
 
     def check_request(
         self, endpoint: str, body: Mapping[str, Any], native: Mapping[str, Any]
-    ) -> None:
+    ) -> int:
         """Children, ``rid``, context length and bootstrap address of a parsed request.
 
         ``native`` is the SGLang body the endpoint made of ``body``; it is read
         as the worker will read it, but cheaply (nothing here walks a prompt's
         token ids), and a value of the wrong type is left to the worker to refuse.
+        Returns the completions it asks for (prompts times ``n``), for ``check_load``.
         """
         generate = endpoint == "/generate"
         prompts = _prompt_count(native)
@@ -165,6 +167,7 @@ class Admission:
                 self._check_context(length, budget, name, "input_ids" if generate else "prompt")
         if self._bootstrap is not None and native.get("bootstrap_host") is not None:
             self._check_bootstrap(native.get("bootstrap_host"), native.get("bootstrap_port"))
+        return prompts * n
 
     def _check_rid(self, rid: object) -> None:
         limit = self.limits.max_rid_length
@@ -251,14 +254,21 @@ class Admission:
                     param="bootstrap_host",
                 )
 
-    def check_load(self, running: int) -> None:
-        """``running``: the generation requests in flight, this one not among them."""
+    def check_load(self, running: int, children: int) -> None:
+        """``running``: the engine requests in flight; ``children``: this request's.
+
+        Each completion is an engine request (SGLang's scheduler runs every one
+        of a request's ``n`` apart), and each costs the server a stream to
+        read and events to send: 20 requests of ``n`` = 256 once made the
+        server too busy to answer ``/health``, however few they were.
+        """
         limit = self.limits.max_running_requests
-        if running >= limit:
+        if running + children > limit:
             raise self._refuse(
                 "overloaded",
                 503,
-                f"the server is at its limit of {limit} requests in flight; try again shortly",
+                f"the server is at its limit of {limit} engine requests in flight "
+                f"({running} running, {children} asked for); try again shortly",
                 kind="server_error",
                 headers=[(b"retry-after", b"1")],
             )

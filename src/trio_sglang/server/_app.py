@@ -278,13 +278,13 @@ class ServerApp:
                 plan.cache_report = self.enable_cache_report
             # First the server's bounds, as SGLang refuses a request past its context
             # length before any field of it; then the worker checks it, once.
-            self._admission.check_request(endpoint, body, plan.native)
+            children = self._admission.check_request(endpoint, body, plan.native)
             prepared = plan.prepare(self.worker)
             if self._closing:
                 raise _shutting_down()
-            self._admission.check_load(len(self._inflight))
+            self._admission.check_load(self._inflight.children, children)
             # Every request in flight holds a context, from here to its last byte.
-            ctx = self._inflight.add(plan.public_id)
+            ctx = self._inflight.add(plan.public_id, children)
         except ClientGone:
             self._count(endpoint, "cancelled", phase="before_headers")
             return

@@ -1,8 +1,8 @@
 """``ClientConnection``: one client's connection, which it can never hold open against us.
 
-hypercorn's trio connection (``TCPServer``) with five differences, the first
-four each found by a client that held the server, the last by the serving
-benchmark (``benchmarks/serve_throughput.py``):
+hypercorn's trio connection (``TCPServer``) with six differences, all but
+the fifth each found by a client that held the server, the fifth by the
+serving benchmark (``benchmarks/serve_throughput.py``):
 
 * **A write that the client does not take is bounded.** hypercorn shields
   each socket write, so that neither the app nor its own shutdown can
@@ -16,7 +16,7 @@ benchmark (``benchmarks/serve_throughput.py``):
   fallen too far behind, and the server drops an idle connection when it has
   no room for a new one, and whatever its shutdown grace did not see close.
 * **HTTP/2 only if asked for** (``http2``): otherwise the connection stays
-  HTTP/1.1 (``_HTTP11Only``): an h2c upgrade is answered in HTTP/1.1, and
+  HTTP/1.1 (``HTTP11`` without upgrades): an h2c upgrade is answered in HTTP/1.1, and
   the HTTP/2 preface is taken as the HTTP/1.1 request it reads as (and gets
   a 404, then a 400 for what follows it). Asked for, it is hypercorn's
   HTTP/2 with the same deadline on each wait for a client's flow-control
@@ -32,6 +32,10 @@ benchmark (``benchmarks/serve_throughput.py``):
   connection) come with the first byte, so thousands of clients that connect
   and send nothing hold a third of the memory, and are shed three times as
   fast when the server needs their slots.
+* **The socket is read while a response is in progress** (``HTTP11``): a
+  client that sent bytes of a next request behind its first one can still be
+  seen to leave, and one that sends more than ``PIPELINE_BYTES`` ahead is
+  dropped.
 
 The app finds the connection it is serving with ``current_connection()``.
 """
@@ -46,9 +50,9 @@ import socket
 import struct
 from collections import Counter
 from contextvars import ContextVar
+from functools import partial
 from typing import Literal
 
-import h11
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
@@ -58,6 +62,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
 
 from ._h2 import Protocols
+from ._h11 import HTTP11, ClientLeft, PipelinedTooFar
 from ._metrics import ServerMetrics
 
 __all__ = ["ClientConnection", "DropLog", "DropReason", "current_connection"]
@@ -67,8 +72,10 @@ logger = logging.getLogger("trio_sglang.server")
 #: Why a client was dropped: ``stalled`` (took no bytes for the stall timeout),
 #: ``behind`` (further behind its stream than the server holds), ``idle``
 #: (between requests, or before its first, when the server had no room for a
-#: new connection), ``shutdown`` (still connected when the shutdown grace ended).
-DropReason = Literal["stalled", "behind", "idle", "shutdown"]
+#: new connection), ``shutdown`` (still connected when the shutdown grace ended),
+#: ``pipelined`` (sent more than ``PIPELINE_BYTES`` of a next request before its
+#: response ended), ``flooding`` (sent HTTP/2 control frames past its budget).
+DropReason = Literal["stalled", "behind", "idle", "shutdown", "pipelined", "flooding"]
 
 _current: ContextVar[ClientConnection] = ContextVar("trio_sglang_connection")
 
@@ -183,7 +190,7 @@ class ClientConnection(TCPServer):
         # are a line, not a thousand. Idle ones and those of a shutdown (counted
         # once, there) only at DEBUG.
         logger.debug("dropped client %s: %s", _peer(self._socket), _WHY[reason])
-        if reason in ("stalled", "behind"):
+        if reason in ("stalled", "behind", "pipelined", "flooding"):
             self._drops.note(reason)
 
     def _stream_stalled(self, last: bool) -> None:
@@ -264,13 +271,22 @@ class ClientConnection(TCPServer):
         # Called once, after hypercorn made the protocol and before any byte is read.
         http11 = self.protocol.protocol
         if isinstance(http11, H11Protocol):
+            ours = HTTP11.instead_of(http11, sock=self._socket, upgrades=self._http2)
             if self._http2:
                 self.protocol = Protocols.instead_of(
-                    self.protocol, stall_timeout=self._stall_timeout, stalled=self._stream_stalled
+                    self.protocol,
+                    stall_timeout=self._stall_timeout,
+                    stalled=self._stream_stalled,
+                    flooding=partial(self.drop, "flooding"),
                 )
-            else:
-                self.protocol.protocol = _HTTP11Only.instead_of(http11)
-        await super()._read_data()
+            self.protocol.protocol = ours
+        try:
+            await super()._read_data()
+        except ClientLeft:  # while its response was in progress, with bytes of a next one sent
+            await self.protocol.handle(Closed())
+        except PipelinedTooFar:
+            self.drop("pipelined")
+            await self.protocol.handle(Closed())
         # The client is gone (EOF, reset, or dropped): end its keep-alive wait
         # too, which hypercorn would otherwise sit out before closing.
         await self.idle_task.stop()
@@ -297,39 +313,13 @@ class DropLog:
         self._next = now + self._interval
         counts = ", ".join(f"{n} {why}" for why, n in sorted(self._pending.items()))
         logger.info(
-            "dropped clients (%s): they took no bytes within the stall timeout, or fell "
-            "further behind than the server holds; those of the next %g s are counted in "
-            "trio_sglang_clients_dropped_total, and summed in the next such line",
+            "dropped clients (%s): gone without closing, or past a bound of the server's "
+            "(the reasons: trio_sglang_clients_dropped_total's help); those of the next %g s "
+            "are counted there, and summed in the next such line",
             counts,
             self._interval,
         )
         self._pending.clear()
-
-
-class _HTTP11Only(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol, never handing the connection over to HTTP/2.
-
-    Its ``_check_protocol`` is where hypercorn switches (an h2c upgrade, or
-    the HTTP/2 preface read as a request): here it does not, so the request
-    goes on as HTTP/1.1, as RFC 9110 lets a server ignore an upgrade.
-    """
-
-    @classmethod
-    def instead_of(cls, protocol: H11Protocol) -> _HTTP11Only:
-        return cls(
-            protocol.app,
-            protocol.config,
-            protocol.context,
-            protocol.task_group,
-            protocol.connection_state,
-            protocol.ssl,
-            protocol.client,
-            protocol.server,
-            protocol.send,
-        )
-
-    async def _check_protocol(self, event: h11.Request) -> None:
-        return None
 
 
 _WHY: dict[DropReason, str] = {
@@ -337,6 +327,8 @@ _WHY: dict[DropReason, str] = {
     "behind": "it fell further behind its stream than the server holds",
     "idle": "it was idle when the server had no room for a new connection",
     "shutdown": "still connected when the shutdown grace ended",
+    "pipelined": "it sent more of a next request than the server holds before its response ended",
+    "flooding": "it sent more HTTP/2 control frames than its budget",
 }
 
 

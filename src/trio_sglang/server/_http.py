@@ -27,6 +27,7 @@ from hypercorn.typing import AppWrapper, ASGIFramework
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from .._core._drain import Drain
+from .._core._throttle import LogThrottle
 from .._limits import ServerLimits
 from ._app import ServerApp
 from ._connection import ClientConnection, DropLog
@@ -59,6 +60,7 @@ class HTTPServer:
         self._connections: Drain[ClientConnection] = Drain()
         self._starved = False  # accept() is out of descriptors: logged once per episode
         self._drops = DropLog()  # one INFO line per interval for clients that were gone
+        self._faults = LogThrottle()  # a client can trip hypercorn at will: a few lines
 
     def hurry(self) -> None:
         """End the shutdown grace now (a second signal): open connections are reset."""
@@ -183,11 +185,14 @@ class HTTPServer:
             # reach the log at WARNING.
             while isinstance(exc, ExceptionGroup):
                 exc = exc.exceptions[0]
-            logger.warning(
-                "closed an HTTP connection after a protocol fault inside hypercorn (%s.%s)",
-                type(exc).__module__,
-                type(exc).__qualname__,
-            )
+            left_out = self._faults.take("hypercorn")
+            if left_out is not None:
+                logger.warning(
+                    "closed an HTTP connection after a protocol fault inside hypercorn (%s.%s)%s",
+                    type(exc).__module__,
+                    type(exc).__qualname__,
+                    f"; {left_out} more such closes not logged before it" if left_out else "",
+                )
             logger.debug("the connection's failure, in full", exc_info=True)
         finally:
             # hypercorn closes the socket with awaits, which a cancelled server skips.

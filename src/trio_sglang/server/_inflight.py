@@ -32,21 +32,27 @@ class InFlight:
 
     def __init__(self) -> None:
         self._by_id: dict[str, RequestContext] = {}
+        self._children: dict[RequestContext, int] = {}
         self._aborted: set[RequestContext] = set()
+        #: The completions of every request in flight: the engine requests they make.
+        self.children = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def add(self, public_id: str) -> RequestContext:
-        """The context of a new request; 400 if a request in flight has this id."""
+    def add(self, public_id: str, children: int) -> RequestContext:
+        """The context of a new request of ``children`` completions; 400 if its id is in flight."""
         if public_id in self._by_id:
             # SGLang's words (TokenizerManager), for the same refusal.
             raise HTTPError(400, f"Duplicate request ID detected: {public_id}", param="rid")
         ctx = self._by_id[public_id] = RequestContext(public_id)
+        self._children[ctx] = children
+        self.children += children
         return ctx
 
     def discard(self, ctx: RequestContext) -> None:
         del self._by_id[ctx.id]
+        self.children -= self._children.pop(ctx)
         self._aborted.discard(ctx)
 
     def abort(self, public_id: str | None) -> int:

@@ -120,7 +120,9 @@ class ServerMetrics:
             "Connections the server reset, by reason: stalled (took no bytes within the "
             "stall timeout), behind (further behind its stream than the server holds), "
             "idle (no request in flight when the server needed room for a new connection), "
-            "shutdown (still open when the shutdown grace ended).",
+            "shutdown (still open when the shutdown grace ended), pipelined (sent more than "
+            "64 KiB of a next request before its response ended), flooding (sent HTTP/2 "
+            "control frames past its budget).",
             ["reason"],
             registry=self.registry,
         )

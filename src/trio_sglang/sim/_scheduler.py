@@ -110,17 +110,26 @@ class SimScheduler:
             self._sink(rid, [], {"type": "abort", "message": "Abort by request."})
 
     async def run(self) -> None:
-        """Decode forever; the engine's nursery owns this task."""
+        """Decode forever; the engine's nursery owns this task.
+
+        Each pass steps every request that is due once, as a decode batch
+        does, then yields: a request that fell behind its cadence gets one
+        token a pass, not all it is owed at once. Otherwise more requests than
+        the process can decode for (thousands at a short ``token_interval``)
+        keep this loop busy for good, and nothing else in the process runs.
+        """
         while True:
             now = trio.current_time()
+            due: list[_Running] = []
             while self._due and self._due[0][0] <= now:
-                _, _, running = heapq.heappop(self._due)
+                due.append(heapq.heappop(self._due)[2])
+            for running in due:
                 if self._requests.get(running.rid) is running:
-                    self._step(running)
+                    self._step(running, now)
             with trio.move_on_at(self._due[0][0] if self._due else math.inf):
                 await self._wakeup.park()
 
-    def _step(self, running: _Running) -> None:
+    def _step(self, running: _Running, now: float) -> None:
         if running.decoded < running.max_new_tokens:
             running.decoded += 1
             token = (running.seed + running.decoded * 7919) % VOCAB_SIZE
@@ -133,7 +142,8 @@ class SimScheduler:
             self._trace.record("finished", running.rid)
             self._sink(running.rid, new_ids, {"type": "length", "length": running.decoded})
             return
-        running.next_time += self._timing.token_interval
+        # On its cadence; one that fell behind it is not owed the tokens it missed.
+        running.next_time = max(running.next_time + self._timing.token_interval, now)
         heapq.heappush(self._due, (running.next_time, next(self._order), running))
         self._sink(running.rid, new_ids, None)
 
