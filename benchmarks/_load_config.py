@@ -17,7 +17,18 @@ __all__ = ["HOSTILE_CAPS", "HOSTILE_SHARE", "Config", "EdgeConfig"]
 #: (its KV rooms poll again every 0.1 s), so ten of them already make about a
 #: hundred hostile answers a second.
 HOSTILE_SHARE = 0.1
-HOSTILE_CAPS = {"nonreaders": 50, "tricklers": 50, "zero_window": 50, "bad_peers": 10}
+#: Issue 37's clients are capped lower still: each costs the server about one
+#: attack a second, and a flood or a burst of 50 streams is far more than a request.
+HOSTILE_CAPS = {
+    "nonreaders": 50,
+    "tricklers": 50,
+    "zero_window": 50,
+    "bad_peers": 10,
+    "flooders": 5,
+    "pipeliners": 20,
+    "resetters": 5,
+    "fanout": 4,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +104,12 @@ class EdgeConfig:
     10 s and 30 s by default), so that every hostile client is dropped, and
     the run seen to its end, within seconds. The bad peers' decode server waits
     3 s for a KV cache (SGLang's 300 s would hold each of their requests for
-    the whole run).
+    the whole run). It speaks HTTP/2 too (``--http2``), which the flooders,
+    resetters and zero-window clients attack. Its bound on the engine requests
+    in flight (``max_running_requests``) is what every other client can hold
+    at once and the fan-out clients' requests but one: no other client is ever
+    refused, and a fan-out request only when all the others hold their most
+    (the refusal itself is tested in ``tests/test_hostile_clients.py``).
     """
 
     nonreaders: int = 50
@@ -107,33 +123,62 @@ class EdgeConfig:
     max_tokens: int = 1024
     receive_buffer: int = 4096
     trickle_interval: float = 0.5
-    #: A zero-window client's HTTP/2 streams on each connection.
+    #: A zero-window client's HTTP/2 streams on each connection, and the tokens each asks for.
     streams: int = 10
+    zero_window_tokens: int = 8
     #: A zero-window or bad-peer client starts at most one connection (or request)
     #: every ``pace`` s: the server is done with each at once, and a hostile client is
     #: not a flood.
     pace: float = 1.0
     kv_wait_timeout: float = 3.0
     hold_bound: float = 60.0
+    flooders: int = 5
+    pipeliners: int = 20
+    resetters: int = 5
+    fanout: int = 4
+    #: A fan-out client's ``n``; a resetter's streams in its one burst.
+    fanout_children: int = 128
+    burst_streams: int = 50
+    #: The normal clients (one engine request each at most): sizes the server's bound.
+    clients: int = 1000
 
     @classmethod
     def for_clients(cls, clients: int, **counts: int | None) -> EdgeConfig:
         """The default share of ``clients``, unless a count is given (by field name)."""
         share = round(HOSTILE_SHARE * clients)
         chosen = {name: max(1, min(cap, share)) for name, cap in HOSTILE_CAPS.items()}
-        return cls(**chosen | {name: n for name, n in counts.items() if n is not None})
+        given = {name: n for name, n in counts.items() if n is not None}
+        return cls(**chosen | given, clients=clients)
 
     @property
-    def zero_window_bound(self) -> float:
-        """The longest the server may hold a zero-window connection: as long as any client
-        that takes none of its bytes (its stall timeout), and a second. ``serve`` without
-        ``--http2`` closes one at once."""
-        return self.stall_timeout + 1.0
+    def max_running_requests(self) -> int:
+        """What every client but the fan-out ones can hold at the engine at once, and all
+        the fan-out clients' requests but one."""
+        others = (
+            self.clients
+            + self.nonreaders * self.samples
+            + self.zero_window * self.streams
+            + self.resetters * self.burst_streams
+            + self.pipeliners
+        )
+        return others + max(0, self.fanout - 1) * self.fanout_children
+
+    def zero_window_bound(self, first_token_s: float, token_s: float) -> float:
+        """The longest the server may hold a zero-window connection once it answered: until
+        the answers of its streams (``zero_window_tokens`` each) have been made, a first
+        token taking ``first_token_s`` and each other ``token_s`` (under load, the normal
+        clients' p99: they wait as long), then as long as any client that takes none of
+        its bytes (its stall timeout), and a second. ``serve`` without ``--http2`` closes
+        one at once."""
+        making = first_token_s + self.zero_window_tokens * token_s
+        return making + self.stall_timeout + 1.0
 
     def serve_args(self) -> list[str]:
         return [
             *("--client-stall-timeout", f"{self.stall_timeout:g}"),
             *("--request-read-timeout", f"{self.read_timeout:g}"),
+            *("--max-running-requests", str(self.max_running_requests)),
+            "--http2",
         ]
 
     def shape(self, config: Config) -> HostileShape:
@@ -152,6 +197,13 @@ class EdgeConfig:
             pace=self.pace,
             hold_bound=self.hold_bound,
             seed=config.seed,
+            flooders=self.flooders,
+            pipeliners=self.pipeliners,
+            resetters=self.resetters,
+            fanout=self.fanout,
+            fanout_children=self.fanout_children,
+            burst_streams=self.burst_streams,
+            zero_window_tokens=self.zero_window_tokens,
         )
 
     def to_json(self) -> dict[str, Any]:

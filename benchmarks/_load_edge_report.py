@@ -7,9 +7,11 @@ a time target judged only on a quiet machine (``_verdict.judge_machine``);
 what the hostile clients saw (how long the server held a non-reader's
 request or a zero-window client's connection, what a trickler was
 answered); the server's own count of the clients it dropped, which must be
-exactly the non-readers it let go of: a normal client dropped would show as
-one more; and what the bad peers' decode server did with their requests
-(``_load_bad_peer.BadPeers``).
+exactly the non-readers and zero-window streams it let go of, and the
+flooders: a normal client dropped would show as one more; that issue 37's
+clients (flooders, pipeliners, resetters, fan-out) left the server no more
+descriptors than the baseline did and nothing at the engine; and what the
+bad peers' decode server did with their requests (``_load_bad_peer.BadPeers``).
 """
 
 from __future__ import annotations
@@ -118,10 +120,18 @@ class EdgeReport:
     def zero_window(self) -> dict[str, Any]:
         return _holds(self.edge.zero_window, self.hostile.zero_window)
 
+    def zero_window_bound(self) -> float:
+        """``EdgeConfig.zero_window_bound`` at the edge phase's p99 TTFT and ITL (the
+        SimEngine's own timing where it timed none)."""
+        config, latency = self.run.config, self.loaded.latency()
+        first = latency["ttft_s"]["p99"] or config.first_token_delay
+        token = latency["itl_s"]["p99"] or config.token_interval
+        return self.edge.zero_window_bound(first, token)
+
     def _zero_window_late(self) -> int:
         """Zero-window connections the server held past ``zero_window_bound`` once it had
         answered (the wait to be taken under load is no slot held), or never let go of."""
-        holds, bound = self.hostile.zero_window, self.edge.zero_window_bound
+        holds, bound = self.hostile.zero_window, self.zero_window_bound()
         late = sum(held > bound for held in holds.after_answer)
         return late + holds.let_go["held past the bound"]
 
@@ -140,25 +150,60 @@ class EdgeReport:
     def _hostile_checks(self) -> list[Target]:
         hostile, edge = self.hostile, self.edge
         readers, zero_window = hostile.nonreaders, hostile.zero_window
+        # Over HTTP/2 each stream of a zero-window connection reset alone counts as stalled,
+        # but those still open when the connection itself is dropped (its client's small
+        # receive buffer full) do not: a range, whose top a normal client dropped would pass.
         reset = readers.let_go["reset"]
+        most = reset + zero_window.let_go["reset"] * edge.streams
         dropped = self.dropped()
         by_bound = dropped.get("stalled", 0) + dropped.get("behind", 0)
         not_408 = sum(n for how, n in hostile.trickles.items() if how != "HTTP 408")
+        fanout_other = sum(
+            n for how, n in hostile.fanout.items() if how not in ("HTTP 200", "HTTP 503")
+        )
+        descriptors = [
+            report.after.get("process_open_fds") for report in (self.baseline, self.loaded)
+        ]
         checks = [
             zero(
                 f"non-readers the server held past {edge.hold_bound:g} s",
                 readers.let_go["held past the bound"],
             ),
             zero(
-                f"zero-window connections the server held past {edge.zero_window_bound:g} s "
-                "after answering (its stall timeout + 1 s)",
+                "zero-window connections the server held past "
+                f"{self.zero_window_bound():.2f} s after answering (their answers made at "
+                "the normal clients' p99 TTFT and ITL, its stall timeout, and 1 s)",
                 self._zero_window_late(),
             ),
             Target(
-                "clients dropped as stalled or behind: the non-readers the server reset",
-                f"= {reset:,}",
+                "clients dropped as stalled or behind: the non-readers the server reset, and "
+                "up to each stream of the zero-window connections it reset",
+                f"{reset:,} to {most:,}",
                 f"{by_bound:,} ({pairs(dropped.items())})",
-                by_bound == reset,
+                reset <= by_bound <= most,
+            ),
+            zero(
+                f"flooders the server held past {edge.hold_bound:g} s",
+                hostile.flooders.let_go["held past the bound"],
+            ),
+            Target(
+                "clients dropped as flooding: the flooders the server let go of",
+                f"= {len(hostile.flooders.seconds):,}",
+                f"{dropped.get('flooding', 0):,}",
+                dropped.get("flooding", 0) == len(hostile.flooders.seconds),
+            ),
+            zero(
+                "fan-out requests answered otherwise than 200 or 503",
+                fanout_other,
+                pairs(hostile.fanout.items()),
+            ),
+            Target(
+                "server's open descriptors after the edge phase (settled), against the baseline's",
+                "<= the baseline's",
+                " against ".join("?" if n is None else f"{n:,.0f}" for n in descriptors),
+                None
+                if None in descriptors
+                else float(descriptors[1] or 0) <= float(descriptors[0] or 0),
             ),
             zero("tricklers answered otherwise than 408", not_408, pairs(hostile.trickles.items())),
             zero(
@@ -171,6 +216,10 @@ class EdgeReport:
             "non-readers let go": (edge.nonreaders, len(readers.seconds)),
             "tricklers answered": (edge.tricklers, len(hostile.answers)),
             "zero-window clients let go": (edge.zero_window, len(zero_window.seconds)),
+            "flooders let go": (edge.flooders, len(hostile.flooders.seconds)),
+            "pipelined requests": (edge.pipeliners, sum(hostile.pipelined.values())),
+            "bursts reset": (edge.resetters, hostile.bursts),
+            "fan-out requests answered": (edge.fanout, sum(hostile.fanout.values())),
         }
         if any(clients for clients, _ in ran.values()):
             checks.append(
@@ -191,8 +240,9 @@ class EdgeReport:
             f"Edge: {c.clients:,} normal clients for {c.duration:g} s, "
             f"{c.disconnect_fraction:.0%} of requests abandoned, {c.max_tokens} tokens each "
             f"(seed {c.seed}); first alone (baseline), then beside {edge.nonreaders:,} "
-            f"non-readers, {edge.tricklers:,} tricklers, {edge.zero_window:,} zero-window clients "
-            f"and {edge.bad_peers:,} bad peers (edge)"
+            f"non-readers, {edge.tricklers:,} tricklers, {edge.zero_window:,} zero-window clients, "
+            f"{edge.flooders:,} flooders, {edge.pipeliners:,} pipeliners, {edge.resetters:,} "
+            f"resetters, {edge.fanout:,} fan-out clients and {edge.bad_peers:,} bad peers (edge)"
         )
         lines = [
             *wrap(title),
@@ -245,9 +295,19 @@ class EdgeReport:
             f"{tricklers['requests']:,} requests, answered {pairs(hostile.trickles.items())}; "
             f"p50 {seconds(answered['p50'])}, max {seconds(answered['max'])} after the headers",
             f"zero-window clients ({edge.zero_window:,}; HTTP/2 prior knowledge, "
-            f"SETTINGS_INITIAL_WINDOW_SIZE 0, {edge.streams} streaming /generate streams, no "
+            f"SETTINGS_INITIAL_WINDOW_SIZE 0, {edge.streams} streaming /generate streams of "
+            f"{edge.zero_window_tokens} tokens, no "
             f"WINDOW_UPDATE, never read; a connection every {edge.pace:g} s at most): "
             f"{_held(hostile.zero_window)}",
+            f"flooders ({edge.flooders:,}; HTTP/2, 70 KB of PRIORITY frames for 999 idle "
+            f"streams): {_held(hostile.flooders)}",
+            f"pipeliners ({edge.pipeliners:,}; a /generate with a byte of a next request behind "
+            f"it, then a reset; half streaming): {pairs(hostile.pipelined.items())}",
+            f"resetters ({edge.resetters:,}): {hostile.bursts:,} bursts of {edge.burst_streams} "
+            "streaming HTTP/2 requests, each reset 20 ms after it was sent",
+            f"fan-out clients ({edge.fanout:,}; n={edge.fanout_children}, the server's bound "
+            f"{edge.max_running_requests:,} engine requests): "
+            f"answered {pairs(hostile.fanout.items())}",
             f"server, edge phase: clients dropped {pairs(self.dropped().items())}",
         ]
         lines = [line for paragraph in paragraphs for line in wrap(paragraph, hang=2)]
@@ -264,6 +324,10 @@ class EdgeReport:
                 "non_readers": self.nonreaders(),
                 "tricklers": self.tricklers(),
                 "zero_window": self.zero_window(),
+                "flooders": _holds(self.edge.flooders, self.hostile.flooders),
+                "pipelined": dict(self.hostile.pipelined),
+                "bursts_reset": self.hostile.bursts,
+                "fanout": dict(self.hostile.fanout),
                 "bad_peers": self.peers.to_json(),
                 "failures": dict(self.hostile.failures),
                 "clients_dropped": self.dropped(),

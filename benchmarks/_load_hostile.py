@@ -25,12 +25,31 @@ and close. It times that answer.
 
 A **zero-window** client speaks HTTP/2 with prior knowledge, the way an
 attack on flow control does: the connection preface, SETTINGS with
-``SETTINGS_INITIAL_WINDOW_SIZE`` 0, then several streaming ``/generate``
-requests, and never a WINDOW_UPDATE, so that a server speaking HTTP/2 could
-not send a byte of any answer and would hold every stream. It never reads
-either, and is timed as a non-reader is. ``serve`` speaks HTTP/1.1 unless
-``--http2``: it reads the preface as a bad HTTP/1.1 request, answers it, and
-closes at once. What it had answered is read once it let go.
+``SETTINGS_INITIAL_WINDOW_SIZE`` 0, then several short streaming
+``/generate`` requests, and never a WINDOW_UPDATE, so that the server can
+send no byte of any answer but its headers. It never reads either, and is
+timed as a non-reader is. ``serve --http2`` resets each stream once its
+answer waits for the stall timeout, and drops the connection with the last;
+without ``--http2`` it reads the preface as a bad HTTP/1.1 request, answers
+it, and closes at once. What it had answered is read once it let go.
+
+Four more, each the client of an attack that once held the server (issue 37),
+all paced like a zero-window client:
+
+* a **flooder** speaks HTTP/2 and sends about 70 KB of PRIORITY frames that
+  ask for nothing (999 idle streams, each then made a child of the root again
+  and again); the server must drop it, and is timed as a non-reader is;
+* a **pipeliner** sends a request with one byte of a next request behind it,
+  reads the head of its answer (a streaming one), or waits a moment (a whole
+  one), then resets: the server must stop its request and free its connection;
+* a **resetter** sends a burst of streaming HTTP/2 requests in one write, then
+  resets while the server is still opening their streams: every one must stop;
+* a **fan-out** client asks for many completions in one request (``n``), so
+  that the fan-out clients hold hundreds of engine requests, up to the
+  server's bound; it reads its answer for a moment, then leaves.
+These four are judged by what the server holds after them (nothing at the
+engine, no connection or descriptor more than before), by the server's own
+count of the flooders it dropped, and by the normal clients' latency beside them.
 
 Each hostile client starts over on a new connection once the server let go
 of the last, until the run's end (a zero-window client, which the server lets
@@ -42,11 +61,13 @@ counted), the whole by a ``trio.fail_after`` only a bug can reach.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
 import random
 import socket
+import struct
 import sys
 import termios
 from collections import Counter
@@ -114,6 +135,18 @@ class HostileShape:
     #: The longest a hold or a trickle is waited for.
     hold_bound: float
     seed: int
+    #: The clients of issue 37's attacks (see the module's docstring), each paced.
+    flooders: int = 0
+    pipeliners: int = 0
+    resetters: int = 0
+    fanout: int = 0
+    #: A fan-out client's ``n``.
+    fanout_children: int = 256
+    #: A resetter's streaming requests in its one write.
+    burst_streams: int = 50
+    #: A zero-window stream's tokens: over HTTP/2 the server holds such a stream until its
+    #: whole answer (or 32 KiB of it) waits, then for the stall timeout.
+    zero_window_tokens: int = 8
 
     @property
     def deadline(self) -> float:
@@ -152,6 +185,13 @@ class HostileTally:
     trickles: Counter[str] = field(default_factory=Counter)
     #: Connections that failed before the client could be hostile, by error.
     failures: Counter[str] = field(default_factory=Counter)
+    flooders: Holds = field(default_factory=Holds)
+    #: Pipeliners' requests, by what they saw before they left (``HTTP 200``, ...).
+    pipelined: Counter[str] = field(default_factory=Counter)
+    #: Bursts of HTTP/2 streams sent, then reset.
+    bursts: int = 0
+    #: Fan-out requests, by the status of their answer.
+    fanout: Counter[str] = field(default_factory=Counter)
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -168,6 +208,27 @@ def _post(address: tuple[str, int], path: str, body: bytes) -> bytes:
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
+
+
+async def _connect(
+    address: tuple[str, int], who: str, tally: HostileTally, *, receive_buffer: int | None = None
+) -> trio.socket.SocketType | None:
+    """A connected socket; ``None`` if the connect failed (counted, then a pause: no hot loop).
+
+    ``receive_buffer`` (``SO_RCVBUF``) is set before the connect, so that the window the
+    client advertises is small from its first segment.
+    """
+    sock = trio.socket.socket()
+    try:
+        if receive_buffer is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        await sock.connect(address)
+    except OSError as exc:
+        sock.close()
+        tally.failures[f"{who}: {type(exc).__name__}"] += 1
+        await trio.sleep(_RETRY_AFTER)
+        return None
+    return sock
 
 
 async def repeat(stop_at: float, pace: float, attempt: Attempt) -> None:
@@ -224,21 +285,16 @@ async def _hold(
     tally: HostileTally,
 ) -> None:
     """One request sent and never read, until the server lets go of it; then its answer."""
-    sock = trio.socket.socket()
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, shape.receive_buffer)
-        await sock.connect(address)
-    except OSError as exc:
-        sock.close()
-        tally.failures[f"{who}: {type(exc).__name__}"] += 1
-        await trio.sleep(_RETRY_AFTER)
+    sock = await _connect(address, who, tally, receive_buffer=shape.receive_buffer)
+    if sock is None:
         return
     async with trio.SocketStream(sock) as stream:  # closing it unread resets: nothing lingers
         try:
             await stream.send_all(request)
         except trio.BrokenResourceError:
-            tally.failures[f"{who}: request not sent"] += 1
-            return
+            if who != "flooder":  # a flooder is let go before it has sent it all
+                tally.failures[f"{who}: request not sent"] += 1
+                return
         sent = trio.current_time()
         answered: float | None = None
         how: LetGo = "held past the bound"
@@ -289,8 +345,117 @@ def _zero_window(
 ) -> Attempt:
     host = f"{address[0]}:{address[1]}"
     prompt = f"zero-window {index}"
-    request = zero_window_preface(host, model, prompt, shape.max_tokens, shape.streams)
+    request = zero_window_preface(host, model, prompt, shape.zero_window_tokens, shape.streams)
     return partial(_hold, address, request, "zero-window", shape, tally.zero_window, tally)
+
+
+def flood_preface(streams: int = 999, frames: int = 5000) -> bytes:
+    """An HTTP/2 client's preface, then PRIORITY frames for ``streams`` idle streams, each
+    made a child of the root again and again: ``frames`` of 14 bytes."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    frame = bytearray(conn.data_to_send())
+    for i in range(frames):
+        stream_id = 1 + 2 * (i % streams)
+        frame += b"\x00\x00\x05\x02\x00" + stream_id.to_bytes(4, "big") + bytes(4) + b"\x10"
+    return bytes(frame)
+
+
+def _flooder(
+    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+) -> Attempt:
+    return partial(_hold, address, flood_preface(), "flooder", shape, tally.flooders, tally)
+
+
+# -- clients that leave: pipeliners, resetters, fan-out -----------------------------
+
+
+async def _leave_after(
+    address: tuple[str, int], request: bytes, who: str, read_head: bool, stay: float,
+    outcomes: Counter[str], tally: HostileTally,
+) -> None:  # fmt: skip
+    """Send ``request``; read its answer (or not) for ``stay`` s, then reset."""
+    sock = await _connect(address, who, tally)
+    if sock is None:
+        return
+    stream = trio.SocketStream(sock)
+    try:
+        await stream.send_all(request)
+        with trio.move_on_after(stay + 10.0):
+            outcome = await _answer(stream) if read_head else "left before the answer"
+            outcomes[outcome] += 1
+            with trio.move_on_after(stay):
+                # A reader, until it leaves: what it is judged by is its leaving.
+                while read_head and await stream.receive_some():
+                    pass
+                await trio.sleep_forever()
+    except trio.BrokenResourceError:
+        tally.failures[f"{who}: request not sent"] += 1
+    finally:
+        _reset(sock)
+
+
+def _pipeliner(
+    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+) -> Attempt:
+    """Odd ones stream and leave once answered; even ones leave a whole answer unawaited."""
+    streaming = index % 2 == 1
+    body = request_body("/generate", f"pipeliner {index}", shape.max_tokens)
+    payload = json.dumps(body | {"stream": streaming}).encode()
+    request = _post(address, "/generate", payload) + payload + b"G"
+    stay = 0.5
+    return partial(
+        _leave_after, address, request, "pipeliner", streaming, stay, tally.pipelined, tally
+    )
+
+
+async def _burst_then_reset(address: tuple[str, int], burst: bytes, tally: HostileTally) -> None:
+    """The whole burst in one write; a moment later, while the server opens its streams, a reset."""
+    sock = await _connect(address, "resetter", tally)
+    if sock is None:
+        return
+    try:
+        await trio.SocketStream(sock).send_all(burst)
+        tally.bursts += 1
+        await trio.sleep(0.02)
+    except trio.BrokenResourceError:
+        tally.failures["resetter: burst not sent"] += 1
+    finally:
+        _reset(sock)
+
+
+def _reset(sock: trio.socket.SocketType) -> None:
+    """Close with a reset (SO_LINGER on, 0 s), as a client that crashed or timed out."""
+    with contextlib.suppress(OSError):  # the server's reset came first
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def _resetter(
+    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+) -> Attempt:
+    host = f"{address[0]}:{address[1]}"
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    body = request_body("/generate", f"resetter {index}", shape.max_tokens)
+    payload = json.dumps(body | {"stream": True}).encode()
+    head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http")]
+    for stream_id in range(1, 2 * shape.burst_streams, 2):
+        conn.send_headers(
+            stream_id, [*head, (":authority", host), ("content-type", "application/json")]
+        )
+        conn.send_data(stream_id, payload, end_stream=True)
+    return partial(_burst_then_reset, address, conn.data_to_send(), tally)
+
+
+def _fanout(
+    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+) -> Attempt:
+    body = request_body("/generate", f"fan-out {index}", shape.max_tokens)
+    sampling = body.get("sampling_params", {}) | {"n": shape.fanout_children}
+    payload = json.dumps(body | {"stream": True, "sampling_params": sampling}).encode()
+    request = _post(address, "/generate", payload) + payload
+    return partial(_leave_after, address, request, "fan-out", True, 1.0, tally.fanout, tally)
 
 
 # -- tricklers ---------------------------------------------------------------------
@@ -362,6 +527,10 @@ async def run_hostile(url: str, model: str, shape: HostileShape, tally: HostileT
         ("non-reader", shape.nonreaders, _nonreader, 0.0),
         ("trickler", shape.tricklers, _trickler, 0.0),
         ("zero-window", shape.zero_window, _zero_window, shape.pace),
+        ("flooder", shape.flooders, _flooder, shape.pace),
+        ("pipeliner", shape.pipeliners, _pipeliner, shape.pace),
+        ("resetter", shape.resetters, _resetter, shape.pace),
+        ("fan-out", shape.fanout, _fanout, shape.pace),
     )
     with trio.fail_after(shape.deadline):
         async with trio.open_nursery() as nursery:

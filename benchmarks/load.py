@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCENARIOS,
         default="load",
         help="load: the clients alone; edge: the clients alone, then beside hostile clients "
-        "(non-readers, tricklers, zero-window HTTP/2 clients, bad KV peers), on one server "
-        "with short client bounds (default load)",
+        "(non-readers, tricklers, zero-window HTTP/2 clients, flooders, pipeliners, resetters, "
+        "fan-out clients, bad KV peers), on one server with short client bounds (default load)",
     )
     parser.add_argument("--clients", type=positive_int, help=f"default {defaults.clients}")
     parser.add_argument(
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("tricklers", "clients that send their body a byte at a time"),
         ("zero_window", "HTTP/2 clients that grant no flow-control window and never read"),
         ("bad_peers", "clients whose requests make a decode server read a hostile KV peer"),
+        ("flooders", "HTTP/2 clients that send PRIORITY frames asking for nothing"),
+        ("pipeliners", "clients that pipeline a byte behind a request, then reset"),
+        ("resetters", "HTTP/2 clients that send a burst of streams, then reset"),
+        ("fanout", "clients whose requests ask for many completions (n), at the server's bound"),
     ):
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -206,8 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         edge = edge_from_args(args, config)
         print(
             f"edge: {edge.nonreaders} non-readers, {edge.tricklers} tricklers, "
-            f"{edge.zero_window} zero-window clients and {edge.bad_peers} bad peers beside the "
-            f"clients; server bounds {' '.join(edge.serve_args())} (why: EdgeConfig)",
+            f"{edge.zero_window} zero-window clients, {edge.flooders} flooders, "
+            f"{edge.pipeliners} pipeliners, {edge.resetters} resetters, {edge.fanout} fan-out "
+            f"clients and {edge.bad_peers} bad peers beside the clients; server bounds "
+            f"{' '.join(edge.serve_args())} (why: EdgeConfig)",
             file=sys.stderr,
         )
         progress = Progress(total=EDGE_STEPS)

@@ -21,6 +21,7 @@ Everything runs over loopback, every wait is bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -38,7 +39,7 @@ from prometheus_client import parser
 
 from _processes import Process, start_router, start_workers
 from trio_sglang._cli import build_parser
-from trio_sglang.bench_endpoint._command import plan_from_options
+from trio_sglang.bench_endpoint._command import plan_from_options, printable
 from trio_sglang.bench_endpoint._deconvolve import attribute_releases
 from trio_sglang.bench_endpoint._phases import ALL_PHASES, parse_phases
 from trio_sglang.bench_endpoint._prometheus import Series, metric_names, parse_series
@@ -571,6 +572,28 @@ def test_saved_runs_compare_side_by_side(tmp_path: Path) -> None:
     assert "mid_stream:reset" in result.stdout
     assert "12.0 / 40.0, 1, 2.50" in result.stdout
     assert compare_table([("a", report)]).startswith("phase")
+
+
+def test_a_figure_that_is_not_finite_is_saved_as_null(tmp_path: Path) -> None:
+    """Before issue 37 a lying server's ``+Inf`` counter wrote a bare ``NaN`` into the file:
+    not JSON, which strict readers (``jq``, browsers, ``allow_nan=False``) refuse."""
+    report = dataclasses.replace(made_up_report(), idle_tokens_per_s=math.inf)
+    report.phases[0].tokens_generated = math.nan
+    report.save(tmp_path / "run.json")
+
+    def not_json(constant: str) -> None:
+        raise AssertionError(f"{constant} in the saved file")
+
+    saved = json.loads((tmp_path / "run.json").read_text(), parse_constant=not_json)
+    assert saved["idle_tokens_per_s"] is None
+    assert saved["phases"][0]["tokens_generated"] is None
+
+
+def test_what_a_server_says_reaches_the_terminal_escaped() -> None:
+    """Before issue 37 a lying server's terminal escape codes reached the operator's screen."""
+    assert printable("line\x1b[2J\x1b]0;owned\x07 ok\nnext\r") == (
+        "line\\x1b[2J\\x1b]0;owned\\x07 ok\nnext\\r"
+    )
 
 
 def made_up_report() -> Report:

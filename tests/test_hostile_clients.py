@@ -10,6 +10,7 @@ SIGTERM. Every one of them failed before issue 37; each docstring says how.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -281,30 +282,35 @@ def test_http2_streams_opened_while_the_connection_closes_all_stop(
 
 # -- 5. children in flight, in total ----------------------------------------------------
 
+FAN_OUT = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": LONG, "n": 256}}
+
+
+@contextlib.contextmanager
+def fanned_out(server: Server, requests: int, *, answered: bool) -> Iterator[None]:
+    """``requests`` streaming requests of ``n`` 256 whose clients read nothing (but the
+    head of the answer, if ``answered``), their connections closed at the end."""
+    with contextlib.ExitStack() as closing:
+        for _ in range(requests):
+            sock = closing.enter_context(connect(server))
+            sock.sendall(request_bytes(server, "/generate", FAN_OUT))
+            if answered:
+                assert read_head(sock).startswith(b"HTTP/1.1 200")
+        yield
+
 
 def test_the_children_in_flight_are_bounded_in_total(start: Callable[..., Server]) -> None:
     """``--max-running-requests`` counts engine requests, each completion one, as SGLang's
     scheduler counts them. Before issue 37 it counted HTTP requests: 20 of ``n`` = 256
     made every ``/health`` time out, and SIGTERM did not end the process in 30 s."""
     server = start("--max-running-requests", "512", "--sim-token-interval", "0.01")
-    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": LONG, "n": 256}}
-    held = []
-    try:
-        for _ in range(2):
-            sock = connect(server)
-            sock.sendall(request_bytes(server, "/generate", body))
-            assert read_head(sock).startswith(b"HTTP/1.1 200")
-            held.append(sock)
-        response = server.post("/generate", {**body, "stream": False})
+    with fanned_out(server, 2, answered=True):
+        response = server.post("/generate", {**FAN_OUT, "stream": False})
         assert response.status_code == 503, response.text[:500]
         assert "512 engine requests" in response.json()["error"]["message"]
         one = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
         assert server.post("/generate", one).status_code == 503  # not even one more
         server.assert_healthy()
         assert server.live() == 512
-    finally:
-        for sock in held:
-            sock.close()
     server.wait_idle()
     server.assert_clean_exit()
 
@@ -318,21 +324,12 @@ def test_many_children_at_the_default_bound_leave_the_server_responsive(
     37 the SimEngine's scheduler stepped every request it owed tokens to without a
     checkpoint, and such a load froze the process for good."""
     server = start("--sim-token-interval", "0.01")
-    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": LONG, "n": 256}}
-    held = []
-    try:
-        for _ in range(8):
-            sock = connect(server)
-            sock.sendall(request_bytes(server, "/generate", body))
-            held.append(sock)
+    with fanned_out(server, 8, answered=False):
         deadline = time.monotonic() + 6
         while time.monotonic() < deadline:
             server.assert_healthy()
             time.sleep(0.5)
         server.assert_clean_exit(within=5)
-    finally:
-        for sock in held:
-            sock.close()
 
 
 # -- 6. strings that are not Unicode ----------------------------------------------------

@@ -417,7 +417,7 @@ async def test_a_tiny_edge_run(load: Any) -> None:
     # connection with the last of them.
     assert zero_window.count() == len(zero_window.seconds) > 0
     assert "held past the bound" not in zero_window.let_go
-    assert max(zero_window.after_answer) <= edge.zero_window_bound(config)
+    assert max(zero_window.after_answer) <= report.zero_window_bound()
     peers = report.peers
     assert peers.requests.unexpected() == {}
     by_route = peers.to_json()["requests"]

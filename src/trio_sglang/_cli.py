@@ -385,7 +385,7 @@ def _refuse(message: str) -> int:
 
 def _bench_endpoint(args: argparse.Namespace) -> int:
     try:
-        from .bench_endpoint._command import Refused, run_command
+        from .bench_endpoint._command import Refused, printable, run_command
     except ImportError as exc:
         return _refuse(
             "trio-sglang bench-endpoint needs the bench extra: "
@@ -395,7 +395,7 @@ def _bench_endpoint(args: argparse.Namespace) -> int:
     try:
         return run_command(args)
     except* Refused as refused:
-        refusal = str(_first(refused))
+        refusal = printable(str(_first(refused)))
     return _refuse(refusal)
 
 

@@ -23,14 +23,24 @@ from ._run import Plan, Refused, run_bench
 from ._servers import kind_from_option
 from ._visits import Target
 
-__all__ = ["Refused", "plan_from_options", "run_command"]
+__all__ = ["Refused", "plan_from_options", "printable", "run_command"]
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on escaped: a server's answer (an error's
+    words, a metric's labels) reaches the operator's screen, and must not move its
+    cursor, retitle its window or hide lines."""
+    return "".join(
+        char if char.isprintable() or char == "\n" else char.encode("unicode_escape").decode()
+        for char in text
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
     if args.compare:
         if args.url:
             raise Refused("--compare prints saved runs and runs nothing: drop --url")
-        print(compare_table([_load(path) for path in args.compare]))
+        print(printable(compare_table([_load(path) for path in args.compare])))
         return 0
     plan = plan_from_options(args)
     progress = _Progress()
@@ -38,7 +48,7 @@ def run_command(args: argparse.Namespace) -> int:
         report = trio.run(run_bench, plan, progress)
     finally:
         progress.done()
-    print(table(report))
+    print(printable(table(report)))
     for option, write in ((args.json, report.save), (args.plot, lambda path: plot(report, path))):
         if option:
             write(Path(option))

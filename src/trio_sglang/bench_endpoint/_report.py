@@ -110,8 +110,20 @@ class Report:
     version: int = FORMAT_VERSION
 
     def save(self, path: Path) -> None:
+        """As strict JSON: a figure that is not finite (a server's ``+Inf`` counter) is null."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        path.write_text(json.dumps(_finite(asdict(self)), indent=1, allow_nan=False) + "\n")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, an infinity) made ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def load(path: Path) -> Report:

@@ -61,7 +61,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
 
-from ._h2 import Protocols
+from ._h2 import ClientBounds, Protocols
 from ._h11 import HTTP11, ClientLeft, PipelinedTooFar
 from ._metrics import ServerMetrics
 
@@ -273,12 +273,10 @@ class ClientConnection(TCPServer):
         if isinstance(http11, H11Protocol):
             ours = HTTP11.instead_of(http11, sock=self._socket, upgrades=self._http2)
             if self._http2:
-                self.protocol = Protocols.instead_of(
-                    self.protocol,
-                    stall_timeout=self._stall_timeout,
-                    stalled=self._stream_stalled,
-                    flooding=partial(self.drop, "flooding"),
+                bounds = ClientBounds(
+                    self._stall_timeout, self._stream_stalled, partial(self.drop, "flooding")
                 )
+                self.protocol = Protocols.instead_of(self.protocol, bounds)
             self.protocol.protocol = ours
         try:
             await super()._read_data()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import h2.errors
@@ -57,13 +58,24 @@ from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
 from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError
 
-__all__ = ["BoundedH2", "ControlBudget", "Protocols"]
+__all__ = ["BoundedH2", "ClientBounds", "ControlBudget", "Protocols"]
 
 #: The stream events whose send waits for the client's window.
 _WINDOWED = (Body, Data, EndBody, EndData, Trailers)
 #: A read is handed to h2 this much at a time, with a checkpoint between: at
 #: most a few milliseconds of parsing, whatever frames it holds.
 _SLICE_BYTES = 1 << 13
+
+
+@dataclass(frozen=True, slots=True)
+class ClientBounds:
+    """What a connection gives its HTTP/2: the stall timeout, and whom to tell of a client."""
+
+    stall_timeout: float
+    #: Told of each stalled stream: ``True`` when it left the connection no other.
+    stalled: Callable[[bool], None]
+    #: Told once the client's frames that ask for nothing went past its budget.
+    flooding: Callable[[], None]
 
 
 class ControlBudget:
@@ -93,20 +105,11 @@ class ControlBudget:
 class BoundedH2(H2Protocol):
     """hypercorn's HTTP/2, with a deadline on each wait for the client's window."""
 
-    def __init__(
-        self,
-        *args: Any,
-        stall_timeout: float,
-        stalled: Callable[[bool], None],
-        flooding: Callable[[], None],
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, bounds: ClientBounds, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._stall_timeout = stall_timeout
-        #: Told of each stalled stream: ``True`` when it left the connection no other.
-        self._stalled = stalled
-        #: Told once the client's frames that ask for nothing went past its budget.
-        self._flooding = flooding
+        self._stall_timeout = bounds.stall_timeout
+        self._stalled = bounds.stalled
+        self._flooding = bounds.flooding
         self._budget = ControlBudget()
         self._flooded = False
 
@@ -187,27 +190,12 @@ class BoundedH2(H2Protocol):
 class Protocols(ProtocolWrapper):
     """hypercorn's ``ProtocolWrapper``, switching to ``BoundedH2`` where it switches to HTTP/2."""
 
-    def __init__(
-        self,
-        *args: Any,
-        stall_timeout: float,
-        stalled: Callable[[bool], None],
-        flooding: Callable[[], None],
-    ) -> None:
+    def __init__(self, *args: Any, bounds: ClientBounds) -> None:
         super().__init__(*args)
-        self._stall_timeout = stall_timeout
-        self._stalled = stalled
-        self._flooding = flooding
+        self._bounds = bounds
 
     @classmethod
-    def instead_of(
-        cls,
-        wrapper: ProtocolWrapper,
-        *,
-        stall_timeout: float,
-        stalled: Callable[[bool], None],
-        flooding: Callable[[], None],
-    ) -> Protocols:
+    def instead_of(cls, wrapper: ProtocolWrapper, bounds: ClientBounds) -> Protocols:
         """This wrapper in place of ``wrapper``, with its HTTP/1.1 protocol and state."""
         protocols = cls(
             wrapper.app,
@@ -219,9 +207,7 @@ class Protocols(ProtocolWrapper):
             wrapper.client,
             wrapper.server,
             wrapper.send,
-            stall_timeout=stall_timeout,
-            stalled=stalled,
-            flooding=flooding,
+            bounds=bounds,
         )
         protocols.protocol = wrapper.protocol
         return protocols
@@ -251,7 +237,5 @@ class Protocols(ProtocolWrapper):
             self.client,
             self.server,
             self.send,
-            stall_timeout=self._stall_timeout,
-            stalled=self._stalled,
-            flooding=self._flooding,
+            bounds=self._bounds,
         )
