@@ -37,9 +37,6 @@ class InFlight:
         #: The completions of every request in flight: the engine requests they make.
         self.children = 0
 
-    def __len__(self) -> int:
-        return len(self._by_id)
-
     def add(self, public_id: str, children: int) -> RequestContext:
         """The context of a new request of ``children`` completions; 400 if its id is in flight."""
         if public_id in self._by_id:
