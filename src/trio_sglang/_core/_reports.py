@@ -8,8 +8,8 @@ worker's observer, and logged with the caller's public id and the engine's
 internal rids: the first ten of a kind in each ten seconds, and the next line
 of that kind says how many were left out, so that requests which make the
 engine fail at will cannot fill the log. No line carries more than a
-bounded piece of what the engine said: its errors may hold a request whole. Each cleanup is
-counted while it runs, timed when it ends, and counted again if the
+bounded piece of what the engine said: its errors may hold a request whole.
+Each cleanup is counted while it runs, timed when it ends, and counted again if the
 worker's shutdown cut it.
 """
 

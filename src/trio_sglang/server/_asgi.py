@@ -130,7 +130,8 @@ def _lone_surrogate(data: dict[str, Any]) -> tuple[str, str | None] | None:
     write: past this check it would fail wherever the request goes next, the
     engine, a peer, the log, with the whole request in the error. Clients
     that escape every non-ASCII character send each emoji as a surrogate
-    pair, so bodies with escapes are common: a path is made only for a find.
+    pair, so bodies with escapes are common: a path is made per container, not
+    per value, and a list of numbers (token ids) is skipped whole.
     """
     for field, top in data.items():
         if not _encodes(field):
@@ -139,23 +140,17 @@ def _lone_surrogate(data: dict[str, Any]) -> tuple[str, str | None] | None:
         while stack:
             value, parent, key = stack.pop()
             if isinstance(value, str):
-                bad = not _encodes(value)
+                if not _encodes(value):
+                    return _path(field, parent, key), field
             elif isinstance(value, dict):
-                bad = False
+                here = _path(field, parent, key)
                 for name, item in value.items():
                     if not _encodes(name):
-                        return f"a key of {_path(field, parent, key)}", field
-                    stack.append((item, _path(field, parent, key), name))
-            elif isinstance(value, list):
-                bad = False
-                if _NUMBERS.issuperset(map(type, value)):  # token ids: nothing to walk
-                    continue
-                here = _path(field, parent, key)
+                        return f"a key of {here}", field
+                    stack.append((item, here, name))
+            elif isinstance(value, list) and not _NUMBERS.issuperset(map(type, value)):
+                here = _path(field, parent, key)  # token ids are skipped whole
                 stack.extend((item, here, index) for index, item in enumerate(value))
-            else:
-                bad = False
-            if bad:
-                return _path(field, parent, key), field
     return None
 
 
