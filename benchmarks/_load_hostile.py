@@ -283,8 +283,13 @@ async def _hold(
     shape: HostileShape,
     holds: Holds,
     tally: HostileTally,
+    *,
+    cut_short: bool = False,
 ) -> None:
-    """One request sent and never read, until the server lets go of it; then its answer."""
+    """One request sent and never read, until the server lets go of it; then its answer.
+
+    ``cut_short``: the server may let go before the request is all sent (a flooder's).
+    """
     sock = await _connect(address, who, tally, receive_buffer=shape.receive_buffer)
     if sock is None:
         return
@@ -292,7 +297,7 @@ async def _hold(
         try:
             await stream.send_all(request)
         except trio.BrokenResourceError:
-            if who != "flooder":  # a flooder is let go before it has sent it all
+            if not cut_short:
                 tally.failures[f"{who}: request not sent"] += 1
                 return
         sent = trio.current_time()
@@ -364,7 +369,8 @@ def flood_preface(streams: int = 999, frames: int = 5000) -> bytes:
 def _flooder(
     index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
 ) -> Attempt:
-    return partial(_hold, address, flood_preface(), "flooder", shape, tally.flooders, tally)
+    request = flood_preface()
+    return partial(_hold, address, request, "flooder", shape, tally.flooders, tally, cut_short=True)
 
 
 # -- clients that leave: pipeliners, resetters, fan-out -----------------------------

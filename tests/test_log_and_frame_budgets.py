@@ -14,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_sglang._core._reports import Reports, describe
+from trio_sglang._core._reports import EngineFault, Reports, describe
 from trio_sglang._core._throttle import LogThrottle
 from trio_sglang.server._h2 import ControlBudget
 
@@ -42,10 +42,10 @@ async def test_faults_of_one_kind_are_logged_ten_in_ten_seconds_and_all_counted(
         def cleanup_finished(self, seconds: float, *, released: bool) -> None:
             pass
 
-        def engine_fault(self, kind: str) -> None:
+        def engine_fault(self, kind: EngineFault) -> None:
             counted.append(kind)
 
-    reports = Reports(Observer())  # type: ignore[arg-type]
+    reports = Reports(Observer())
     caplog.set_level(logging.ERROR, logger="trio_sglang")
     for i in range(25):
         reports.fault("stream_error", f"pub-{i}", [f"rid-{i}"], "boom")
