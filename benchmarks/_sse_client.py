@@ -16,7 +16,8 @@ per second than the server can send while spending little of the machine.
 Here nothing is parsed that does not need to be: one ``selectors`` loop, no
 event loop framework, and every read counted with ``bytes.count``. A data event
 starts a line with ``data: `` (JSON escapes a newline in a string, so the
-marker occurs nowhere else); a heartbeat is an SSE comment, ``: keep-alive``;
+marker occurs nowhere else); a heartbeat is a chunk of its own holding two blank
+lines (``2\\r\\n\\n\\n``: no event is that short);
 the response ends with chunked transfer-encoding's last chunk, ``\\r\\n0\\r\\n\\r\\n``
 (a chunk size never has a leading zero). A marker split across two reads is
 found by counting over the previous read's last bytes too.
@@ -42,7 +43,7 @@ from trio_sglang.bench_endpoint._apis import request_body
 __all__ = ["ENDED", "Reading", "Response", "cpu_seconds", "main", "reading_from"]
 
 _DATA = b"\ndata: "
-_BEAT = b"\n: keep-alive"
+_BEAT = b"\r\n2\r\n\n\n"
 _DONE = b"\ndata: [DONE]"
 _END = b"\r\n0\r\n\r\n"
 #: As many of a read's last bytes as a marker can straddle (the longest, less one).

@@ -53,7 +53,7 @@ def chunked(*pieces: bytes) -> bytes:
     return head + body + b"0\r\n\r\n"
 
 
-RESPONSE = chunked(b": keep-alive\n\n", EVENTS[0], EVENTS[1] + EVENTS[2], b"data: [DONE]\n\n")
+RESPONSE = chunked(b"\n\n", EVENTS[0], EVENTS[1] + EVENTS[2], b"data: [DONE]\n\n")
 
 
 def read(bench: Any, pieces: list[bytes]) -> tuple[Any, list[str | None]]:

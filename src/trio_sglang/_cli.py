@@ -558,6 +558,8 @@ async def _run_server(
             prefill=prefill,
             kv_rooms=hosted,
             enable_cache_report=args.enable_cache_report,
+            # SGLang's own server application, its routes over the lifecycle.
+            host_app=args.engine == "sglang",
         )
 
 

@@ -12,20 +12,32 @@ real ``TokenizerManager`` and the ``SimEngine`` fit it without pretending:
 - closing the stream (or cancelling a pull) runs the engine's own release
   path: an undispatched request is forgotten, a dispatched one is aborted.
 
-Beside it, one optional capability the lifecycle never uses: ``ChatTemplating``,
+Beside it, two optional capabilities the lifecycle never uses: ``ChatTemplating``,
 an engine that renders chat messages with its model's chat template (the
-server's chat route asks for it).
+server's chat route asks for it), and ``HostsApp``, an engine that brings its
+own HTTP server application, which ``serve`` runs over the lifecycle
+(``_hosted_app.py``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["ChatTemplating", "Engine", "EngineFeatures", "EngineStream", "RequestPhase", "Role"]
+from ._hosted_app import HostedApp
+
+__all__ = [
+    "ChatTemplating",
+    "Engine",
+    "EngineFeatures",
+    "EngineStream",
+    "HostsApp",
+    "RequestPhase",
+    "Role",
+]
 
 #: A worker's role, from its engine's ``disaggregation_mode`` (``_disagg.py``).
 Role = Literal["aggregated", "prefill", "decode"]
@@ -189,3 +201,16 @@ class ChatTemplating(Protocol):
         messages: the client's error.
         """
         ...
+
+
+@runtime_checkable
+class HostsApp(Protocol):
+    """An engine with an HTTP server application of its own (SGLang's), for ``serve`` to run.
+
+    ``served_at()`` is the URL the server listens on, or ``None`` before it
+    does (an application that warms itself up sends its request there).
+    """
+
+    def hosted_app(
+        self, served_at: Callable[[], str | None]
+    ) -> AbstractAsyncContextManager[HostedApp]: ...

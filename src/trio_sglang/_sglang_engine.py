@@ -38,12 +38,13 @@ import math
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 import trio
 
 from ._engine import EngineFeatures, RequestPhase
+from ._hosted_app import HostedApp
 from ._phase_poller import PhasePoller
 from ._sglang_chat import SGLangChat
 from ._sglang_cpu import prepare_cpu_engine, with_cpu_defaults
@@ -242,6 +243,19 @@ class SGLangEngine:
             # An older release than trio-sglang's field tables: what it lacks is refused.
             honoured_fields=fields_taken(),
         )
+
+    @property
+    def sglang_engine(self) -> Any:
+        """The ``sglang.Engine`` this adapter runs over (``None`` over a bare TokenizerManager)."""
+        return self._engine
+
+    def hosted_app(
+        self, served_at: Callable[[], str | None]
+    ) -> AbstractAsyncContextManager[HostedApp]:
+        """SGLang's own HTTP server application over this running engine (``_sglang_app.py``)."""
+        from ._sglang_app import hosted_sglang_app
+
+        return hosted_sglang_app(self, self._in_asyncio, served_at)
 
     @property
     def template_manager(self) -> Any:

@@ -24,6 +24,7 @@ from .._core._disagg import PrefillPeer
 from .._core._worker import PreparedRequest, ResponseStream, Worker
 from .._engine import ChatTemplating
 from .._errors import EngineError, EngineShutdown, InvalidRequest
+from .._hosted_app import HostedApp
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
 from .._phases import Phase
@@ -45,6 +46,7 @@ from ._asgi import (
 )
 from ._connection import DropReason, current_connection
 from ._errors import HTTPError, error_body, method_not_allowed
+from ._hosted import HostedRoutes
 from ._inflight import InFlight, abort_target
 from ._kv_rooms import ROOMS_PATH, KVRoomsApp
 from ._metrics import Outcome, ServerMetrics
@@ -53,6 +55,10 @@ from ._outbox import Heartbeats, Outbox
 __all__ = ["ServerApp"]
 
 logger = logging.getLogger("trio_sglang.server")
+
+#: The routes ``serve`` answers itself in front of a hosted application: its
+#: ``/abort_request`` by exact id, its metrics, its capabilities.
+_OWN_ROUTES = frozenset({"/abort_request", "/metrics", "/capabilities"})
 
 #: The model an OpenAI request names when it names none (SGLang's ``DEFAULT_MODEL_NAME``).
 _SGLANG_DEFAULT_MODEL = "default"
@@ -69,6 +75,7 @@ class ServerApp:
         kv_rooms: HostedKVRooms | None = None,
         prefill: PrefillPeer | None = None,
         enable_cache_report: bool = False,
+        hosted: HostedApp | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
@@ -101,6 +108,22 @@ class ServerApp:
             None
             if kv_rooms is None
             else KVRoomsApp(kv_rooms, read_timeout=self.limits.request_read_timeout)
+        )
+        #: The engine's own HTTP application (SGLang's server), which serves every route
+        #: but ``_OWN_ROUTES``, its requests through the lifecycle (``_hosted.py``).
+        self._hosted = (
+            None
+            if hosted is None
+            else HostedRoutes(
+                hosted,
+                worker=worker,
+                admission=self._admission,
+                inflight=self._inflight,
+                metrics=metrics,
+                heartbeats=self.heartbeats,
+                limits=self.limits,
+                closing=lambda: self._closing,
+            )
         )
         metrics.watch(worker)
         if kv_rooms is not None:
@@ -157,6 +180,8 @@ class ServerApp:
         allowed = ("POST",) if path in posts or path in actions else ("GET", "HEAD")
         if rooms is not None:
             await rooms(scope, receive, send)
+        elif self._hosted is not None and path not in _OWN_ROUTES:
+            await self._hosted(scope, receive, send)
         elif path not in posts and path not in actions and path not in gets:
             await self._send_early(receive, send, HTTPError(404, f"no route {path}"))
         elif method not in allowed:

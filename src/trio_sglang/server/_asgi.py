@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import trio
 
@@ -20,6 +20,7 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "read_body_within",
     "read_json",
     "read_json_within",
     "send_json",
@@ -28,14 +29,21 @@ __all__ = [
     "start_sse",
 ]
 
+T = TypeVar("T")
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 SSE_DONE = b"data: [DONE]\n\n"
-#: An SSE comment: every SSE parser skips it (the openai SDK, httpx-sse, browsers).
-SSE_HEARTBEAT = b": keep-alive\n\n"
+#: Blank lines between events: an SSE parser dispatches nothing for them (the
+#: openai SDK, httpx-sse, browsers), and so does a reader that takes every
+#: non-empty line for a ``data:`` line (SGLang's ``bench_serving``), where an
+#: SSE comment (``: keep-alive``) would be parsed as JSON and fail. Two, not
+#: one, so that a reader splitting the body on ``\n\n`` gets an empty piece
+#: rather than the next event with a newline before its ``data:``.
+SSE_HEARTBEAT = b"\n\n"
 #: How far past the limit a body is still read before its 413. Clients send the
 #: whole body before they read the answer, and hypercorn closes a connection with
 #: the body unread, which resets it and can lose the 413 already sent; so a body
@@ -69,16 +77,10 @@ def _not_json(constant: str) -> NoReturn:
     raise ValueError(f"{constant} is not a JSON value")
 
 
-async def read_json(scope: Scope, receive: Receive, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past ``limit`` bytes, 400 if not an object.
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body; 413 past ``limit`` bytes, 400 past ``MAX_BODY_PIECES`` pieces.
 
     A body past ``limit + DRAIN_BYTES`` (or declared so) gets its 413 at once.
-    JSON over HTTP is UTF-8 (RFC 8259), decoded strictly: ``json.loads`` on
-    bytes would guess UTF-16 or 32 too, and let a surrogate encoded in UTF-8
-    through as half a pair. Whatever the parser can raise on a body that fits
-    the limit is the client's fault: nesting too deep (``RecursionError``),
-    and every ``ValueError`` (bad UTF-8, bad syntax, ``NaN``/``Infinity``, an
-    integer past Python's digit limit for ``int()``).
     """
     too_large = HTTPError(413, f"request body over {limit} bytes")
     for name, value in scope.get("headers", ()):
@@ -102,6 +104,20 @@ async def read_json(scope: Scope, receive: Receive, limit: int) -> dict[str, Any
         )
     if len(body) > limit:
         raise too_large
+    return bytes(body)
+
+
+async def read_json(scope: Scope, receive: Receive, limit: int) -> dict[str, Any]:
+    """The request body (``read_body``) as a JSON object; 400 if it is not one.
+
+    JSON over HTTP is UTF-8 (RFC 8259), decoded strictly: ``json.loads`` on
+    bytes would guess UTF-16 or 32 too, and let a surrogate encoded in UTF-8
+    through as half a pair. Whatever the parser can raise on a body that fits
+    the limit is the client's fault: nesting too deep (``RecursionError``),
+    and every ``ValueError`` (bad UTF-8, bad syntax, ``NaN``/``Infinity``, an
+    integer past Python's digit limit for ``int()``).
+    """
+    body = await read_body(scope, receive, limit)
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_not_json)
     except RecursionError:
@@ -172,12 +188,22 @@ def _encodes(text: str) -> bool:
 async def read_json_within(
     scope: Scope, receive: Receive, limit: int, seconds: float
 ) -> dict[str, Any]:
-    """``read_json``, all of it within ``seconds`` of the headers: 408 after it.
+    """``read_json``, all of it within ``seconds`` of the headers: 408 after it."""
+    return await _within(seconds, read_json(scope, receive, limit))
+
+
+async def read_body_within(scope: Scope, receive: Receive, limit: int, seconds: float) -> bytes:
+    """``read_body``, all of it within ``seconds`` of the headers: 408 after it."""
+    return await _within(seconds, read_body(scope, receive, limit))
+
+
+async def _within(seconds: float, reading: Awaitable[T]) -> T:
+    """What ``reading`` reads, or a 408 once ``seconds`` have passed.
 
     The rest of the body may still be coming, so the 408 closes the connection.
     """
     with trio.move_on_after(seconds):
-        return await read_json(scope, receive, limit)
+        return await reading
     raise HTTPError(
         408,
         f"the request body did not arrive within {seconds}s",

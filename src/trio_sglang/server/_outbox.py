@@ -16,18 +16,29 @@ import itertools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from .._increments import IncrementQueue
 
-__all__ = ["ROUND", "Heartbeats", "Outbox"]
+__all__ = ["ROUND", "Audible", "Heartbeats", "Outbox"]
 
 #: The heartbeat task's rounds are at least this far apart, so that beats due
 #: within one share its wake-up (which costs about what a beat does): a beat may
 #: go out up to this late. Also the most of the budget spent back to back.
 ROUND = 0.01
+
+
+class Audible(Protocol):
+    """A streaming response the heartbeat keeps audible: an ``Outbox``, or a hosted route's."""
+
+    #: When it last sent something (trio's clock).
+    last_active: float
+
+    def beat(self) -> None:
+        """It has been silent for the spacing: send a sign of life."""
+        ...
 
 
 class Outbox:
@@ -106,9 +117,9 @@ class Heartbeats:
     def __init__(self, interval: float, max_per_second: int) -> None:
         self._interval = interval
         self._max_per_second = max_per_second
-        self._watched: set[Outbox] = set()
+        self._watched: set[Audible] = set()
         #: ``(due, order, outbox)``: order breaks ties, first watched first.
-        self._due: list[tuple[float, int, Outbox]] = []
+        self._due: list[tuple[float, int, Audible]] = []
         self._order = itertools.count()
         #: Where the task waits for the next deadline; woken for an earlier one.
         self._changed = trio.lowlevel.ParkingLot()
@@ -120,7 +131,7 @@ class Heartbeats:
         return max(self._interval, len(self._watched) / self._max_per_second)
 
     @contextmanager
-    def watching(self, outbox: Outbox) -> Iterator[None]:
+    def watching(self, outbox: Audible) -> Iterator[None]:
         if not self._interval:
             yield
             return

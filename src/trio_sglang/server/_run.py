@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 
 import trio
@@ -24,7 +25,8 @@ from hypercorn.config import Config
 from .._core._disagg import PrefillPeer
 from .._core._policy import AbortPolicy
 from .._core._worker import Worker, open_worker
-from .._engine import Engine
+from .._engine import Engine, HostsApp
+from .._hosted_app import HostedApp
 from .._kv_rooms import HostedKVRooms
 from .._limits import ServerLimits
 from ._app import ServerApp
@@ -57,6 +59,7 @@ async def serve(
     prefill: PrefillPeer | None = None,
     kv_rooms: HostedKVRooms | None = None,
     enable_cache_report: bool = False,
+    host_app: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``shutdown`` is set); reports the bound URLs.
@@ -73,10 +76,14 @@ async def serve(
     bootstrap server, on this server's HTTP port; see ``_kv_rooms.py``).
     ``enable_cache_report`` (SGLang's ``--enable-cache-report``): OpenAI usage
     carries ``prompt_tokens_details.cached_tokens``, the engine's count of
-    prompt tokens its prefix cache held.
+    prompt tokens its prefix cache held. ``host_app``: an engine with an HTTP
+    application of its own (``HostsApp``: SGLang's server) serves every route
+    but ``/abort_request``, ``/metrics`` and ``/capabilities`` with it, its
+    requests through the worker's lifecycle.
     """
     shutdown = trio.Event() if shutdown is None else shutdown
     limits = ServerLimits() if limits is None else limits
+    served: list[str] = []  # the URL the server listens on, once it does
     metrics = ServerMetrics()
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -93,7 +100,10 @@ async def serve(
     async with trio.open_nursery() as watching:
         if handle_signals:  # from the start to the engine's close: a second one is never lost
             watching.start_soon(signals.watch)
-        async with open_worker(engine, policy=policy, observer=metrics, prefill=prefill) as worker:
+        async with (
+            open_worker(engine, policy=policy, observer=metrics, prefill=prefill) as worker,
+            _hosted_app(engine, host_app, served) as hosted,
+        ):
             app = ServerApp(
                 worker,
                 metrics,
@@ -102,11 +112,13 @@ async def serve(
                 kv_rooms=kv_rooms,
                 prefill=prefill,
                 enable_cache_report=enable_cache_report,
+                hosted=hosted,
             )
             http = HTTPServer(app, config, limits)
             signals.on_hurry(http.hurry, worker.end_grace)
             async with trio.open_nursery() as serving:
                 urls: list[str] = await serving.start(partial(http.run, shutdown))
+                served.append(urls[0])
                 # The URL right after "on", where scripts look for it (the tests'
                 # and the load benchmark's `serving \S+ on (http://\S+)`).
                 names = ",".join(app.models)
@@ -116,6 +128,20 @@ async def serve(
         watching.cancel_scope.cancel()
     if signals.forced is not None:
         raise ForcedShutdown(signals.forced)
+
+
+@asynccontextmanager
+async def _hosted_app(
+    engine: Engine, wanted: bool, served: list[str]
+) -> AsyncIterator[HostedApp | None]:
+    """The engine's own HTTP application, if it is wanted, for the block."""
+    if not wanted:
+        yield None
+        return
+    if not isinstance(engine, HostsApp):
+        raise TypeError(f"the {type(engine).__name__} has no HTTP application of its own")
+    async with engine.hosted_app(lambda: served[0] if served else None) as hosted:
+        yield hosted
 
 
 def _describe(worker: Worker) -> str:
