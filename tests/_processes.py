@@ -32,6 +32,14 @@ def _get_json(url: str) -> Any:
         return None
 
 
+def _healthy(url: str) -> bool:
+    """200 (SGLang's server answers with no body, and only once it has warmed up)."""
+    try:
+        return httpx.get(url, timeout=30).status_code == 200
+    except httpx.TransportError:  # not up yet
+        return False
+
+
 def _wait_serving(process: Process, timeout: float) -> str:
     """The URL ``serve`` reports, once /health answers 200 there."""
     output = ""
@@ -47,7 +55,7 @@ def _wait_serving(process: Process, timeout: float) -> str:
     url = match.group(1)
     wait_until(
         f"{process.name} to answer /health",
-        lambda: _get_json(f"{url}/health") is not None,
+        lambda: _healthy(f"{url}/health"),
         timeout,
         process,
     )

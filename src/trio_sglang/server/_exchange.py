@@ -115,21 +115,23 @@ class HTTPExchange:
         send: trio.MemorySendChannel[dict[str, Any]],
         feed: _Feed,
     ) -> None:
-        end: FeedEnd = "finished"
+        end: FeedEnd = "left"  # unless it gets further: cancelled with its HTTP request
         async with send:  # closed once ``end`` is set: the route reads it at the channel's end
             try:
                 async with self._worker.generate(prepared, ctx, output="native") as chunks:
                     async for out in chunks:
                         await send.send(out)
+                end = "finished"
             except EngineShutdown:
                 end = "shutdown"
             except EngineError as exc:  # already logged once by the worker, with its ids
                 end, feed.error = "failed", exc
-            if ctx.killed:
-                end = "left"
-            elif ctx.stopped:
-                end = "aborted" if self._inflight.aborted(ctx) else "shutdown"
-            feed.end = end
+            finally:
+                if ctx.killed:
+                    end = "left"
+                elif ctx.stopped:
+                    end = "aborted" if self._inflight.aborted(ctx) else "shutdown"
+                feed.end = end
 
     def leave(self) -> None:
         """The client is gone: every request it started stops, and no other starts."""
