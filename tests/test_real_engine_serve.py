@@ -51,6 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, 
         "cpu",
         "--max-running-requests",
         "16",
+        "--enable-metrics",
         timeout=240,
     )
     try:
@@ -101,6 +102,22 @@ def test_the_server_came_up_on_sglangs_flags_and_the_real_engine(
     assert capabilities["engine"]["kind"] == "sglang"
     assert capabilities["features"]["cancel_before_first_output_v1"] is True
     assert scheduler_holds(url) == 0
+
+
+def test_enable_metrics_shows_sglangs_own_metrics_beside_serves(
+    server: tuple[Process, str],
+) -> None:
+    _, url = server
+    httpx.post(f"{url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    families = re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE)
+    assert len(families) == len(set(families)), "a metric family named twice"
+    ours = [name for name in families if name.startswith("trio_sglang_")]
+    sglangs = [name for name in families if name.startswith("sglang:")]
+    assert ours and len(sglangs) > 50  # SGLang 0.5.23 has about a hundred
+    # The TokenizerManager's, kept in serve's own process, and the scheduler's, in files.
+    assert re.search(r"^sglang:num_requests_total\{.*\} [1-9]", text, re.MULTILINE)
+    assert "sglang:num_running_reqs" in sglangs
 
 
 def test_a_whole_answer_streams_and_leaves_nothing(server: tuple[Process, str]) -> None:

@@ -30,10 +30,20 @@ EXCHANGE_KEY = "trio_sglang.exchange"
 #: server shut down, the engine failed (``Feed.error``), or the client left.
 FeedEnd = Literal["finished", "aborted", "shutdown", "failed", "left"]
 
-HostedApp = Callable[
-    [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-    Awaitable[None],
-]
+
+class HostedApp(Protocol):
+    """An ASGI application (HTTP only), and the metrics it keeps of its own."""
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None: ...
+
+    def metrics(self) -> bytes:
+        """Its own metrics in Prometheus's text format, for ``/metrics`` (empty if none)."""
+        ...
 
 
 class Feed(Protocol):

@@ -92,18 +92,60 @@ async def hosted_sglang_app(
     }
     lifespan = app.router.lifespan_context(app)
     await in_asyncio(lifespan.__aenter__)()
-    run_app = in_asyncio(app)
-
-    async def hosted(scope: Any, receive: Any, send: Any) -> None:
-        # SGLang's app runs on asyncio, and calls back into trio for the connection.
-        await run_app(scope, _in_trio(receive), _in_trio(send))
-
     try:
-        yield hosted
+        yield _SGLangApp(in_asyncio(app), bool(tm.server_args.enable_metrics))
     finally:
         stopping.set()  # SGLang's lifespan joins the warm-up thread
         with trio.move_on_after(_LIFESPAN_EXIT, shield=True):
             await in_asyncio(lifespan.__aexit__)(None, None, None)
+
+
+class _SGLangApp:
+    """SGLang's ``app`` as a trio ASGI application, and its ``sglang:*`` metrics."""
+
+    def __init__(self, run_app: Callable[..., Any], enable_metrics: bool) -> None:
+        self._run_app = run_app
+        self._enable_metrics = enable_metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # SGLang's app runs on asyncio, and calls back into trio for the connection.
+        await self._run_app(scope, _in_trio(receive), _in_trio(send))
+
+    def metrics(self) -> bytes:
+        """SGLang's metrics with ``--enable-metrics``, as its ``/metrics`` would show them.
+
+        SGLang's processes write theirs to ``PROMETHEUS_MULTIPROC_DIR``, which
+        its ``/metrics`` reads (``add_prometheus_middleware``); the
+        TokenizerManager's, kept in this process in prometheus_client's own
+        registry (it was imported before SGLang set the folder), are added to them.
+        """
+        if not self._enable_metrics:
+            return b""
+        from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
+
+        processes = CollectorRegistry()
+        collect_files: Any = multiprocess.MultiProcessCollector  # untyped in prometheus_client
+        collect_files(processes)
+        families = list(processes.collect())
+        shown = {family.name for family in families}
+        families += [
+            family
+            for family in REGISTRY.collect()
+            if family.name.startswith("sglang:") and family.name not in shown
+        ]
+        exposed = CollectorRegistry()
+        exposed.register(_Families(families))
+        return generate_latest(exposed)
+
+
+class _Families:
+    """Metric families already collected, as a collector (each name once)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> Any:
+        return iter(self._families)
 
 
 def _import_http_server() -> Any:

@@ -109,6 +109,7 @@ class ServerApp:
             if kv_rooms is None
             else KVRoomsApp(kv_rooms, read_timeout=self.limits.request_read_timeout)
         )
+        self._hosted_app = hosted
         #: The engine's own HTTP application (SGLang's server), which serves every route
         #: but ``_OWN_ROUTES``, its requests through the lifecycle (``_hosted.py``).
         self._hosted = (
@@ -255,7 +256,10 @@ class ServerApp:
         await send_json(send, 200, self.worker.capabilities())
 
     async def _metrics(self, send: Send) -> None:
-        await send_text(send, 200, self.metrics.render().decode(), b"text/plain; version=0.0.4")
+        text = self.metrics.render()
+        if self._hosted_app is not None:  # SGLang's own, with --enable-metrics
+            text += await trio.to_thread.run_sync(self._hosted_app.metrics)
+        await send_text(send, 200, text.decode(), b"text/plain; version=0.0.4")
 
     async def _abort_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         """SGLang's ``POST /abort_request``, by exact public id (see ``_inflight.py``).
