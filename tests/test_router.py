@@ -352,14 +352,22 @@ def sim_events(cluster: Cluster, kind: str) -> list[float]:
     return counts(cluster, "trio_sglang_sim_events_total", kind=kind)
 
 
+def is_heartbeat(line: str, previous: str | None) -> bool:
+    """A heartbeat is blank lines: a blank line that no data line ends (one after a blank
+    line, or the stream's first). An event ends with one blank line of its own."""
+    return line == "" and previous in ("", None)
+
+
 def until_heartbeat(lines: Iterator[str]) -> list[str]:
-    """Read up to the next SSE comment (a heartbeat); the data payloads read before it."""
+    """Read up to the next heartbeat; the data payloads read before it."""
     events: list[str] = []
+    previous = None
     for line in lines:
-        if line.startswith(":"):
+        if is_heartbeat(line, previous):
             return events
         if line.startswith("data: "):
             events.append(line.removeprefix("data: "))
+        previous = line
     raise AssertionError(f"the stream ended without a heartbeat: {events}")
 
 
@@ -598,7 +606,7 @@ def steady(value: Any) -> Any:
 
 def httpx_session(url: str, path: str, body: dict[str, Any]) -> tuple[list[Any], int]:
     """The stream's data payloads, parsed (``[DONE]`` kept), and how many of them came after
-    a silence with an SSE comment in it (a heartbeat)."""
+    a silence with a heartbeat in it."""
     events: list[Any] = []
     after_heartbeat, heard = 0, False
     with (
@@ -606,10 +614,11 @@ def httpx_session(url: str, path: str, body: dict[str, Any]) -> tuple[list[Any],
         client.stream("POST", path, json=body) as response,
     ):
         require_ok(response)
+        previous = None
         for line in response.iter_lines():
-            if line.startswith(":"):
-                heard = True
-            elif line.startswith("data: "):
+            heard = heard or is_heartbeat(line, previous)
+            previous = line
+            if line.startswith("data: "):
                 data = line.removeprefix("data: ")
                 events.append(data if data == "[DONE]" else steady(json.loads(data)))
                 after_heartbeat, heard = after_heartbeat + heard, False

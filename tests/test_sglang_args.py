@@ -96,6 +96,28 @@ def test_sglangs_parser_refuses_what_sglang_refuses() -> None:
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--ssl-certfile", "/x.pem"], "--ssl-certfile"),
+        (["--admin-api-key", "k"], "--admin-api-key"),
+        (["--tokenizer-worker-num", "2"], "--tokenizer-worker-num"),
+        (["--grpc-port", "9000"], "--grpc-port"),
+    ],
+)
+def test_sglangs_server_flags_that_serve_replaces_are_refused_at_start(
+    flags: list[str], named: str
+) -> None:
+    """In one line naming the flag, before a model loads: never taken and ignored."""
+    command = [sys.executable, "-m", "trio_sglang", "serve", "--engine", "sglang"]
+    done = subprocess.run(
+        [*command, "--model-path", "m", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    [line] = [line for line in done.stderr.splitlines() if "not taken by trio-sglang" in line]
+    assert line.startswith(named)
+
+
 @pytest.mark.parametrize("command", ["serve", "dynamo-worker"])
 def test_help_shows_both_groups(command: str) -> None:
     result = subprocess.run(

@@ -24,7 +24,7 @@ from ._core._policy import AbortPolicy
 from ._demo import run_demo
 from ._engines import EngineOptions, open_engine
 from ._limits import API_KEY_ENV, ServerLimits
-from ._sglang_args import add_sglang_options, sglang_installed, wants_sglang
+from ._sglang_args import add_sglang_options, refused_flag, sglang_installed, wants_sglang
 from ._sglang_semantics import UnsupportedSGLang
 from ._version import __version__
 from .bench_endpoint._options import add_options as add_bench_endpoint_options
@@ -438,6 +438,10 @@ def _serve(args: argparse.Namespace) -> int:
             return _refuse("--engine sglang needs --model-path")
         if importlib.util.find_spec("trio_asyncio") is None:
             return _refuse("--engine sglang needs trio-asyncio: pip install 'trio-sglang[asyncio]'")
+        if args.sglang_options is not None:
+            refused = refused_flag(args.sglang_options.server_args(args))
+            if refused is not None:
+                return _refuse(refused)
     elif args.chat_template is not None:
         return _refuse("--chat-template goes with --engine sglang")
     if args.prefill_url is not None and args.disaggregation_mode != "decode":

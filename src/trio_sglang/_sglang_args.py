@@ -26,10 +26,44 @@ from typing import Any
 
 from ._sglang_cpu import prepare_cpu_engine
 
-__all__ = ["SGLangOptions", "add_sglang_options", "sglang_installed", "wants_sglang"]
+__all__ = [
+    "SERVER_FLAGS_REFUSED",
+    "SGLangOptions",
+    "add_sglang_options",
+    "refused_flag",
+    "sglang_installed",
+    "wants_sglang",
+]
 
 #: Flags both have that stay trio-sglang's: where its own HTTP server listens.
 _OURS_ONLY = frozenset({"host", "port"})
+
+#: SGLang's flags for the parts of its server that ``serve`` replaces (the
+#: listening socket, its TLS and HTTP/2, the API-key middleware, the processes
+#: around its HTTP app), and why each is refused rather than taken and ignored.
+SERVER_FLAGS_REFUSED: dict[str, str] = {
+    "admin_api_key": "serve's --api-key guards every route; it has no admin key",
+    "ssl_keyfile": "serve speaks plain HTTP: put TLS in a proxy in front of it",
+    "ssl_certfile": "serve speaks plain HTTP: put TLS in a proxy in front of it",
+    "ssl_ca_certs": "serve speaks plain HTTP: put TLS in a proxy in front of it",
+    "ssl_keyfile_password": "serve speaks plain HTTP: put TLS in a proxy in front of it",
+    "enable_ssl_refresh": "serve speaks plain HTTP: put TLS in a proxy in front of it",
+    "enable_http2": "serve's own --http2 speaks HTTP/2 (cleartext, prior knowledge)",
+    "tokenizer_worker_num": "serve runs SGLang's server with one tokenizer, in its own process",
+    "fastapi_root_path": "serve mounts SGLang's routes at the root",
+    "grpc_port": "SGLang's gRPC server would reach the engine around trio-sglang's lifecycle",
+    "grpc_mode": "SGLang's gRPC server would reach the engine around trio-sglang's lifecycle",
+    "smg_grpc_mode": "SGLang's gRPC server would reach the engine around trio-sglang's lifecycle",
+    "sidecar": "SGLang's sidecar goes with its gRPC server, which serve does not run",
+}
+
+
+def refused_flag(server_args: dict[str, Any]) -> str | None:
+    """The first given flag ``serve`` refuses, in one line with why; ``None`` if none is."""
+    for dest, why in SERVER_FLAGS_REFUSED.items():
+        if dest in server_args:
+            return f"--{dest.replace('_', '-')} is not taken by trio-sglang serve: {why}"
+    return None
 
 
 def sglang_installed() -> bool:
