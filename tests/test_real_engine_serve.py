@@ -114,7 +114,8 @@ def test_enable_metrics_shows_sglangs_own_metrics_beside_serves(
     assert len(families) == len(set(families)), "a metric family named twice"
     ours = [name for name in families if name.startswith("trio_sglang_")]
     sglangs = [name for name in families if name.startswith("sglang:")]
-    assert ours and len(sglangs) > 50  # SGLang 0.5.23 has about a hundred
+    assert ours
+    assert len(sglangs) > 50  # SGLang 0.5.23 has about a hundred
     # The TokenizerManager's, kept in serve's own process, and the scheduler's, in files.
     assert re.search(r"^sglang:num_requests_total\{.*\} [1-9]", text, re.MULTILINE)
     assert "sglang:num_running_reqs" in sglangs
