@@ -195,9 +195,10 @@ def real_engine(session: nox.Session) -> None:
     ``--install-only``; then ``.nox/real-engine/bin/trio-sglang serve --engine
     sglang --model-path .nox/real-engine/tiny-llama --device cpu`` serves it).
     Then the ``real_engine`` tests (each engine in a process of its own) and
-    ``scripts/gpu_smoke.py --device cpu``, then the lifecycle checks again on
-    SGLang 0.5.19's whole engine (``REAL_ENGINE_OLDER``, installed as
-    ``sglang-matrix`` installs it). About 3 min to install, 3 to run.
+    ``scripts/gpu_smoke.py --device cpu``, then the lifecycle checks and
+    ``serve`` (that release's own server application) again on SGLang 0.5.19's
+    whole engine (``REAL_ENGINE_OLDER``, installed as ``sglang-matrix`` installs
+    it). About 3 min to install, 8 to run.
     """
     install_sglang_cpu(session, "dynamo")
     session.install(*DYNAMO_FRONTEND_NEEDS)
@@ -212,7 +213,12 @@ def real_engine(session: nox.Session) -> None:
     _install_release(session, older, REAL_ENGINE_OLDER)
     session.log(f"SGLang {REAL_ENGINE_OLDER}")
     session.run(
-        "pytest", "-m", "real_engine", "tests/test_real_engine.py", env={"PYTHONPATH": str(older)}
+        "pytest",
+        "-m",
+        "real_engine",
+        "tests/test_real_engine.py",
+        "tests/test_real_engine_serve.py",  # that release's own server application
+        env={"PYTHONPATH": str(older)},
     )
 
 

@@ -28,7 +28,8 @@ in three ways, each undone here:
 
 A request the worker refuses is a ``ValueError`` (SGLang's routes answer
 400 with its message), one the server turns away an ``HTTPException`` with its
-status (503 with ``Retry-After`` when it is at its limit).
+status (503 with ``Retry-After`` when it is at its limit), and one that is not
+generation (an ``EmbeddingReqInput``) a 501: the lifecycle runs generation only.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ _ABORTED = {"type": "abort", "message": "Aborted by AbortReq.", "status_code": N
 #: Fields SGLang's HTTP server stamps, which the worker refuses from a client: the
 #: TokenizerManager stamps ``received_time`` itself when it is missing.
 _STAMPED = ("received_time",)
+#: A 501's words, for what SGLang's server runs that the lifecycle cannot.
+_NOT_SERVED = (
+    "trio-sglang serve does not serve {} (embeddings, classification, rerank, scores): "
+    "its lifecycle runs generation requests only"
+)
 #: Seconds SGLang's lifespan may take to end (it joins its warm-up thread).
 _LIFESPAN_EXIT = 10.0
 
@@ -222,6 +228,15 @@ class _LifecycleTokenizerManager:
         """No background abort after a response: the lifecycle has stopped the request."""
         return None
 
+    async def score_request(self, *args: Any, **kwargs: Any) -> Any:
+        """Scoring (``/v1/score``, ``/v1/rerank`` of a generation model) runs around the
+        lifecycle in SGLang's TokenizerManager: refused, not run unmanaged."""
+        from fastapi import HTTPException
+
+        raise HTTPException(501, _NOT_SERVED.format("scoring requests"))
+
+    score_prompts = score_request
+
     async def generate_request(self, obj: Any, request: Any = None) -> AsyncIterator[Any]:
         from fastapi import HTTPException
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -230,10 +245,8 @@ class _LifecycleTokenizerManager:
         if not isinstance(exchange, Exchange):
             raise RuntimeError("an SGLang route started a request outside an HTTP request")
         if not isinstance(obj, GenerateReqInput):
-            raise ValueError(
-                f"trio-sglang does not serve {type(obj).__name__} requests (embeddings, "
-                "classification, scores): only generation runs through its lifecycle"
-            )
+            # Embeddings, classification, rerank: the lifecycle runs generation only.
+            raise HTTPException(501, _NOT_SERVED.format(f"{type(obj).__name__} requests"))
         try:
             feed = await _in_trio(exchange.start)(_body_of(obj))
         except InvalidRequest as exc:
