@@ -41,6 +41,10 @@ class HostedStandIn:
         self.feeds: list[Any] = []
         self.paths: list[str] = []
 
+    def metrics(self) -> bytes:
+        """Its own, which ``serve``'s ``/metrics`` shows beside its (SGLang's ``sglang:*``)."""
+        return b"# TYPE hosted_requests counter\nhosted_requests 7.0\n"
+
     async def __call__(self, scope: Message, receive: Any, send: Send) -> None:
         self.paths.append(scope["path"])
         body = json.loads((await receive())["body"] or b"{}")
@@ -245,7 +249,18 @@ async def test_the_hosted_app_answers_every_route_but_serves_own(
     app, hosted = hosted_app(worker, sse_heartbeat=0)
     metrics = await request(app, "/metrics")
     assert b"trio_sglang_requests_total" in metrics.body
+    assert metrics.body.endswith(b"hosted_requests 7.0\n")
     await request(app, "/capabilities")
     models = await request(app, "/v1/models")
     assert hosted.paths == ["/v1/models"]
     assert models.status == 400  # the stand-in starts a request for whatever it is sent
+
+
+async def test_once_the_server_is_closing_a_hosted_route_is_a_503_at_once(
+    autojump_clock: trio.testing.MockClock, worker: ts.Worker
+) -> None:
+    app, hosted = hosted_app(worker, sse_heartbeat=0)
+    app.close()
+    answer = await request(app, "/health")
+    assert answer.status == 503
+    assert hosted.paths == []

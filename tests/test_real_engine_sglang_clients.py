@@ -147,3 +147,126 @@ def test_sglangs_benchmark_completes_every_request_on_the_simengine(
 ) -> None:
     result = bench_serving(sim_serve, model, backend, folder / f"bench-sim-{backend}.jsonl")
     assert result["completed"] == PROMPTS
+
+
+#: What differs between two servers answering the same request: ids, clocks, and the
+#: prefix cache (each server's own history).
+VOLATILE = frozenset(
+    {
+        "id",
+        "created",
+        "e2e_latency",
+        "response_sent_to_client_ts",
+        "cached_tokens",
+        "cached_tokens_details",
+        "prompt_tokens_details",
+        "queue_time",
+        "model",
+    }
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0}
+#: The same requests to both servers, greedy: every field of the answer must match.
+PARITY = {
+    "generate": (
+        "/generate",
+        {"text": "hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+    ),
+    "generate, n 2, logprobs": (
+        "/generate",
+        {
+            "text": "hello",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+    ),
+    "completion, echo, logprobs, stop": (
+        "/v1/completions",
+        {
+            "prompt": "hello",
+            "max_tokens": 8,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 2,
+            "stop": ["e"],
+        },
+    ),
+    "chat": ("/v1/chat/completions", CHAT),
+    "chat, logprobs": ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}),
+    "chat, tools required": (
+        "/v1/chat/completions",
+        {**CHAT, "max_tokens": 32, "tools": TOOLS, "tool_choice": "required"},
+    ),
+    "chat, tool named": (
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "max_tokens": 32,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "weather"}},
+        },
+    ),
+    "chat, json schema": (
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                },
+            },
+        },
+    ),
+    "chat, bad temperature": ("/v1/chat/completions", {**CHAT, "temperature": "hot"}),
+    "chat, no messages": ("/v1/chat/completions", {"max_tokens": 4}),
+    "generate, no prompt": ("/generate", {"sampling_params": {"max_new_tokens": 4}}),
+    "tokenize": ("/tokenize", {"prompt": "hello world"}),
+    "detokenize": ("/detokenize", {"tokens": [10, 11, 12]}),
+}
+
+
+def steady(value: object) -> object:
+    """``value`` without what two servers answer differently to the same request."""
+    if isinstance(value, dict):
+        return {key: steady(item) for key, item in value.items() if key not in VOLATILE}
+    if isinstance(value, list):
+        return [steady(item) for item in value]
+    return value
+
+
+def answers(url: str, path: str, body: dict[str, object]) -> tuple[int, object]:
+    response = httpx.post(f"{url}{path}", json=body, timeout=120)
+    try:
+        return response.status_code, steady(response.json())
+    except ValueError:
+        return response.status_code, response.text
+
+
+@pytest.mark.parametrize("case", PARITY)
+def test_serve_answers_as_sglangs_server_does_field_by_field(
+    serve: str, sglang_server: str, case: str
+) -> None:
+    path, body = PARITY[case]
+    assert answers(serve, path, body) == answers(sglang_server, path, body)
+
+
+def test_streams_are_the_same_events_on_both_servers(serve: str, sglang_server: str) -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+
+    def events(url: str) -> list[object]:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        return [line if line == "data: [DONE]" else steady(json.loads(line[6:])) for line in lines]
+
+    assert events(serve) == events(sglang_server)

@@ -182,7 +182,10 @@ class ServerApp:
         if rooms is not None:
             await rooms(scope, receive, send)
         elif self._hosted is not None and path not in _OWN_ROUTES:
-            await self._hosted(scope, receive, send)
+            if self._closing:  # a new request now would only wait for the engine's close
+                await self._send_early(receive, send, _shutting_down())
+            else:
+                await self._hosted(scope, receive, send)
         elif path not in posts and path not in actions and path not in gets:
             await self._send_early(receive, send, HTTPError(404, f"no route {path}"))
         elif method not in allowed:
