@@ -175,6 +175,24 @@ def test_parallel_samples_and_a_batch_leave_nothing_when_the_client_goes(
         wait_idle(url, STOPPED_WITHIN)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", {"model": "tiny-llama", "input": "hello"}),
+        ("/v1/score", {"query": "hello", "items": ["a", "b"], "label_token_ids": [1, 2]}),
+    ],
+)
+def test_what_the_lifecycle_cannot_run_is_a_501_naming_it(
+    server: tuple[Process, str], path: str, body: dict[str, Any]
+) -> None:
+    """Never run around the lifecycle, unmanaged: refused, in words that say so."""
+    _, url = server
+    response = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert response.status_code == 501, response.text
+    assert "lifecycle runs generation requests only" in response.text
+    assert scheduler_holds(url) == 0
+
+
 def test_sigterm_ends_the_server_and_sglangs_processes(server: tuple[Process, str]) -> None:
     """Last in the module: it stops the server. SGLang must not take SIGTERM for itself."""
     process, url = server

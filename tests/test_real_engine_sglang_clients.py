@@ -106,12 +106,18 @@ def kits(url: str, model: Path, out: Path) -> dict[str, str]:
 def test_sglangs_test_kits_pass_on_serve_wherever_they_pass_on_sglangs_server(
     serve: str, sglang_server: str, model: Path, folder: Path
 ) -> None:
+    """Some cases sample (grammars at temperature 1 on a random model): one that failed
+    on ``serve`` is given two more runs, as a sampling flake would pass in one of them."""
     theirs = kits(sglang_server, model, folder / "kits-sglang.json")
-    ours = kits(serve, model, folder / "kits-serve.json")
     passed = {name for name, outcome in theirs.items() if outcome == "passed"}
     assert len(passed) >= 20, theirs  # the kits ran, and SGLang's server passes most of them
-    missing = {name: ours.get(name) for name in sorted(passed) if ours.get(name) != "passed"}
-    assert not missing, f"pass on SGLang's server, not on serve: {missing}"
+    missing: dict[str, str | None] = dict.fromkeys(passed)
+    for run in range(3):
+        ours = kits(serve, model, folder / f"kits-serve-{run}.json")
+        missing = {name: ours.get(name) for name in missing if ours.get(name) != "passed"}
+        if not missing:
+            break
+    assert not missing, f"pass on SGLang's server, never on serve: {missing}"
 
 
 def bench_serving(url: str, model: Path, backend: str, out: Path) -> dict[str, object]:
@@ -231,6 +237,18 @@ PARITY = {
     "chat, bad temperature": ("/v1/chat/completions", {**CHAT, "temperature": "hot"}),
     "chat, no messages": ("/v1/chat/completions", {"max_tokens": 4}),
     "generate, no prompt": ("/generate", {"sampling_params": {"max_new_tokens": 4}}),
+    "generate, a LoRA adapter without LoRA": (
+        "/generate",
+        {"text": "hello", "lora_path": "adapter", "sampling_params": {"max_new_tokens": 4}},
+    ),
+    "generate, hidden states while off": (
+        "/generate",
+        {"text": "hello", "return_hidden_states": True, "sampling_params": {"max_new_tokens": 4}},
+    ),
+    "generate, past the context length": (
+        "/generate",
+        {"input_ids": [5] * 9000, "sampling_params": {"max_new_tokens": 4}},
+    ),
     "tokenize": ("/tokenize", {"prompt": "hello world"}),
     "detokenize": ("/detokenize", {"tokens": [10, 11, 12]}),
 }
@@ -258,15 +276,46 @@ def test_serve_answers_as_sglangs_server_does_field_by_field(
     serve: str, sglang_server: str, case: str
 ) -> None:
     path, body = PARITY[case]
-    assert answers(serve, path, body) == answers(sglang_server, path, body)
+    ours, theirs = answers(serve, path, body), answers(sglang_server, path, body)
+    assert ours == theirs, differences(ours, theirs)
 
 
-def test_streams_are_the_same_events_on_both_servers(serve: str, sglang_server: str) -> None:
-    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+def differences(ours: object, theirs: object, where: str = "") -> list[str]:
+    """Where two answers differ, and how: ``[1].meta_info.id: 'a' != 'b'``."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return [
+            line
+            for key in sorted(ours.keys() | theirs.keys())
+            for line in differences(
+                ours.get(key, "<absent>"), theirs.get(key, "<absent>"), f"{where}.{key}"
+            )
+        ]
+    if (
+        isinstance(ours, list | tuple)
+        and isinstance(theirs, list | tuple)
+        and len(ours) == len(theirs)
+    ):
+        return [
+            line
+            for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+            for line in differences(a, b, f"{where}[{i}]")
+        ]
+    return [] if ours == theirs else [f"{where}: {ours!r:.200} != {theirs!r:.200}"]
 
-    def events(url: str) -> list[object]:
+
+def test_streams_say_the_same_on_both_servers(serve: str, sglang_server: str) -> None:
+    """The same text, the same shape of event, the same end: how the tokens are cut into
+    events depends on when the scheduler ran, on either server."""
+    body = {**CHAT, "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}}
+
+    def stream(url: str) -> tuple[str, set[str], list[object]]:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
-            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-        return [line if line == "data: [DONE]" else steady(json.loads(line[6:])) for line in lines]
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        events = [steady(json.loads(line)) for line in lines[:-1]]
+        deltas = [event["choices"][0]["delta"] for event in events if event["choices"]]
+        text = "".join(delta.get("content") or "" for delta in deltas)
+        shapes = {json.dumps(sorted(delta)) for delta in deltas}
+        return text, shapes, events[-2:]  # the finish reason, then the usage
 
-    assert events(serve) == events(sglang_server)
+    assert stream(serve) == stream(sglang_server)

@@ -34,6 +34,7 @@ generation (an ``EmbeddingReqInput``) a 501: the lifecycle runs generation only.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -247,11 +248,16 @@ class _LifecycleTokenizerManager:
         if not isinstance(obj, GenerateReqInput):
             # Embeddings, classification, rerank: the lifecycle runs generation only.
             raise HTTPException(501, _NOT_SERVED.format(f"{type(obj).__name__} requests"))
+        # SGLang's own first check of a request, in its words (the TokenizerManager's
+        # first step), on a copy: the worker's checks come after it.
+        copy.deepcopy(obj).normalize_batch_and_arguments()
         try:
             feed = await _in_trio(exchange.start)(_body_of(obj))
         except InvalidRequest as exc:
             raise ValueError(str(exc)) from exc
         except HTTPRefusal as exc:
+            if exc.status == 400:  # the checks SGLang makes too, in its words: as its own
+                raise ValueError(str(exc)) from exc
             raise HTTPException(exc.status, str(exc), headers=exc.headers) from exc
         incremental = bool(self._tm.server_args.incremental_streaming_output)
         outputs = _Outputs(feed, incremental=incremental)
@@ -268,6 +274,9 @@ class _LifecycleTokenizerManager:
         # A stream's error is a ValueError, which SGLang's routes send as the stream's
         # last event; before a response, an HTTPException is its status.
         if feed.end == "failed":
+            refusal = feed.error.__cause__ if feed.error is not None else None
+            if isinstance(refusal, ValueError):  # the TokenizerManager's own: SGLang's 400
+                raise refusal
             if obj.stream:
                 raise ValueError(f"the engine failed: {feed.error}")
             raise HTTPException(502, f"the engine failed: {feed.error}")
@@ -342,6 +351,7 @@ class _Outputs:
             self.streamed(out)
 
     def final(self) -> list[dict[str, Any]]:
+        """Each child's whole output, in order, without the ``index`` only streams carry."""
         if self._incremental:
             merged = self._merged.take_all()
         else:
@@ -349,7 +359,8 @@ class _Outputs:
                 {**out, "text": self._text.get(i, ""), "output_ids": self._ids.get(i, [])}
                 for i, out in self._last.items()
             ]
-        return sorted(merged, key=lambda out: int(out.get("index", 0)))
+        merged.sort(key=lambda out: int(out.get("index", 0)))
+        return [{key: value for key, value in out.items() if key != "index"} for out in merged]
 
     def aborted(self) -> list[dict[str, Any]]:
         """The last output (a delta) of each child not finished, as SGLang ends an aborted one."""
