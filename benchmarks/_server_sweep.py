@@ -31,7 +31,7 @@ import httpx
 
 from _http_servers_cpu import SLOW_PROMPT
 from _stats import percentiles
-from _subprocesses import Process, free_port, wait_until
+from _subprocesses import Process, free_port, healthy, wait_until
 
 __all__ = [
     "SERVER_PHASES",
@@ -97,17 +97,10 @@ def started(name: str, model: Path, folder: Path) -> Iterator[Server]:
     process = Process(name, command, folder / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(f"{name} to answer", lambda: _healthy(url), 300, process)
+        wait_until(f"{name} to answer", lambda: healthy(url), 300, process)
         yield Server(name, url, holds(url))
     finally:
         process.stop(timeout=30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def leave(server: Server, phase: str) -> float:

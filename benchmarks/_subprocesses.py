@@ -10,10 +10,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Process", "free_port", "wait_until"]
+__all__ = ["Process", "free_port", "healthy", "wait_until"]
 
 
 def free_port() -> int:
@@ -22,6 +23,19 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def healthy(url: str, timeout: float = 30.0) -> bool:
+    """Whether the server at ``url`` answers ``/health`` with 200.
+
+    SGLang's own ``/health`` (``serve --engine sglang`` answers with it) has no
+    body, answers 503 until the server has warmed up, and may take a second.
+    """
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
+            return bool(response.status == 200)
+    except OSError:  # not up yet, a 503 (urllib's HTTPError), a reset
+        return False
 
 
 class Process:

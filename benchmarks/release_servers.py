@@ -40,7 +40,7 @@ import httpx
 from _http_servers_cpu import SLOW_PROMPT
 from _output import write_json
 from _server_sweep import close_after
-from _subprocesses import Process, wait_until
+from _subprocesses import Process, healthy, wait_until
 
 HERE = Path(__file__).resolve().parent
 MAX_NEW_TOKENS = 400
@@ -95,7 +95,7 @@ def started(name: str, folder: Path) -> Iterator[Server]:
         wait_until(f"{name} to print its URL", lambda: _url(process) is not None, 300, process)
         url = _url(process)
         assert url is not None
-        wait_until(f"{name} to answer", lambda: _healthy(url), 60, process)
+        wait_until(f"{name} to answer", lambda: healthy(url), 60, process)
         yield Server(name, url, workdir / f"scheduler-{process.pid}.jsonl")
     finally:
         process.stop(timeout=30)
@@ -104,13 +104,6 @@ def started(name: str, folder: Path) -> Iterator[Server]:
 def _url(process: Process) -> str | None:
     found = re.search(r"serving \S+ on (http://\S+)", process.output())
     return None if found is None else found.group(1)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _events(log: Path, since: int) -> list[dict[str, Any]]:

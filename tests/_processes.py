@@ -17,9 +17,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from _subprocesses import Process, free_port, wait_until
+from _subprocesses import Process, free_port, healthy, wait_until
 
-__all__ = ["Process", "free_port", "start_router", "start_workers", "wait_until"]
+__all__ = ["Process", "free_port", "healthy", "start_router", "start_workers", "wait_until"]
 
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
 
@@ -30,14 +30,6 @@ def _get_json(url: str) -> Any:
         return response.json() if response.status_code == 200 else None
     except (httpx.TransportError, ValueError):  # not up yet, or not JSON
         return None
-
-
-def _healthy(url: str) -> bool:
-    """200 (SGLang's server answers with no body, and only once it has warmed up)."""
-    try:
-        return httpx.get(url, timeout=30).status_code == 200
-    except httpx.TransportError:  # not up yet
-        return False
 
 
 def _wait_serving(process: Process, timeout: float) -> str:
@@ -55,7 +47,7 @@ def _wait_serving(process: Process, timeout: float) -> str:
     url = match.group(1)
     wait_until(
         f"{process.name} to answer /health",
-        lambda: _healthy(f"{url}/health"),
+        lambda: healthy(url),
         timeout,
         process,
     )
@@ -105,8 +97,8 @@ def start_router(
         listing = _get_json(f"{url}/workers")
         if not isinstance(listing, dict):
             return False
-        healthy = {w.get("url") for w in listing.get("workers", []) if w.get("is_healthy")}
-        return set(worker_urls) <= healthy
+        listed = {w.get("url") for w in listing.get("workers", []) if w.get("is_healthy")}
+        return set(worker_urls) <= listed
 
     try:
         wait_until(

@@ -43,7 +43,7 @@ import trio
 from prometheus_client import parser
 
 import trio_sglang as ts
-from _processes import Process, free_port, start_router, start_workers, wait_until
+from _processes import Process, free_port, healthy, start_router, start_workers, wait_until
 from _readme import readme_block
 from conftest import read
 from trio_sglang.server import HTTPPrefill, ServerLimits, open_http_kv_rooms, serve
@@ -156,8 +156,8 @@ def _registered(router: str, roles: dict[str, str]) -> bool:
         workers = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
     except (httpx.TransportError, ValueError, KeyError):
         return False
-    healthy = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
-    return all(healthy.get(url) == role for url, role in roles.items())
+    listed = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
+    return all(listed.get(url) == role for url, role in roles.items())
 
 
 # -- metrics ---------------------------------------------------------------------
@@ -695,7 +695,7 @@ def test_the_disaggregation_page_pair_commands_work_as_written(tmp_path: Path) -
         for i, command in enumerate(serves):
             started.append(Process(f"readme-{i}", command, tmp_path / f"readme-{i}.log"))
             url = f"http://127.0.0.1:{ports[(8100, 8200)[i]]}"
-            wait_until(f"{url} up", partial(_healthy, url), TIMEOUT, *started)
+            wait_until(f"{url} up", partial(healthy, url), TIMEOUT, *started)
         events = run_curl(curl)
     finally:
         for process in reversed(started):
@@ -715,7 +715,7 @@ def test_the_disaggregation_page_router_commands_work_as_written(tmp_path: Path)
             started.append(Process(f"readme-{name}", command, tmp_path / f"{name}.log"))
         for port in (ports[8100], ports[8300]):
             url = f"http://127.0.0.1:{port}"
-            wait_until(f"{url} up", partial(_healthy, url), TIMEOUT, *started)
+            wait_until(f"{url} up", partial(healthy, url), TIMEOUT, *started)
         started.append(Process("readme-router", router, tmp_path / "router.log"))
         roles = {f"http://127.0.0.1:{ports[8100]}": "prefill"}
         roles[f"http://127.0.0.1:{ports[8300]}"] = "decode"
@@ -732,13 +732,6 @@ def test_the_disaggregation_page_router_commands_work_as_written(tmp_path: Path)
             process.stop()
     assert events[-1] == "data: [DONE]"
     assert len(events) == 9
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 # -- configuration errors -------------------------------------------------------------

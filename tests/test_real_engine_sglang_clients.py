@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
-from _processes import Process, free_port, start_workers, wait_until
+from _processes import Process, free_port, healthy, start_workers, wait_until
 from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
@@ -73,7 +73,7 @@ def sglang_server(folder: Path, model: Path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until("SGLang's server to answer /health", lambda: _healthy(url), 240, process)
+        wait_until("SGLang's server to answer /health", lambda: healthy(url), 240, process)
         yield url
     finally:
         process.stop(timeout=30)
@@ -87,13 +87,6 @@ def sim_serve(folder: Path) -> Iterator[str]:
         yield url
     finally:
         process.stop(timeout=30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=30).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def kits(url: str, model: Path, out: Path) -> dict[str, str]:
