@@ -123,7 +123,7 @@ def test_enable_metrics_shows_sglangs_own_metrics_beside_serves(
 
 def test_a_whole_answer_streams_and_leaves_nothing(server: tuple[Process, str]) -> None:
     _, url = server
-    body = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 8, "stream": True}
+    body = {"prompt": "hello world", "max_tokens": 8, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         chunks = list(events(response))
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
