@@ -102,7 +102,10 @@ async def hosted_sglang_app(
     try:
         yield _SGLangApp(in_asyncio(app), bool(tm.server_args.enable_metrics))
     finally:
-        stopping.set()  # SGLang's lifespan joins the warm-up thread
+        # SGLang's lifespan joins the warm-up thread, blocking: by now the server has
+        # stopped listening, so a warm-up request in flight has failed, and one not
+        # sent yet stops waiting for the URL.
+        stopping.set()
         with trio.move_on_after(_LIFESPAN_EXIT, shield=True):
             await in_asyncio(lifespan.__aexit__)(None, None, None)
 

@@ -117,8 +117,8 @@ class HostedRoutes:
             except Exception:
                 logger.exception("%s %s failed", scope["method"], scope["path"])
                 if not response.started:
-                    body_ = HTTPError(500, "internal server error", kind="server_error").body()
-                    await send_json(send, 500, body_)
+                    error = HTTPError(500, "internal server error", kind="server_error")
+                    await send_json(send, 500, error.body())
             finally:
                 response.ended = True
             nursery.cancel_scope.cancel()
