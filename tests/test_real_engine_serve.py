@@ -193,6 +193,42 @@ def test_what_the_lifecycle_cannot_run_is_a_501_naming_it(
     assert scheduler_holds(url) == 0
 
 
+#: Streams of SGLang's other routes, each long enough that only a stop ends it early.
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+OTHER_STREAMS = {
+    "/v1/messages": {
+        "model": "tiny-llama",
+        "max_tokens": 3000,
+        "messages": [{"role": "user", "content": "hello"}],
+        "ignore_eos": True,
+        "stream": True,
+    },
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "hello"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    },
+}
+
+
+@pytest.mark.parametrize("path", OTHER_STREAMS)
+def test_a_client_leaving_sglangs_other_routes_stops_the_real_scheduler(
+    server: tuple[Process, str], path: str
+) -> None:
+    """Anthropic's Messages API, and a chat with tools: SGLang's own routes, each of
+    whose requests runs through the lifecycle."""
+    _, url = server
+    with httpx.stream("POST", f"{url}{path}", json=OTHER_STREAMS[path], timeout=60) as response:
+        assert response.status_code == 200
+        stream = events(response)
+        next(stream), next(stream)
+        decoding_within(url, STOPPED_WITHIN)  # for the client, still here
+    wait_idle(url, STOPPED_WITHIN)
+
+
 def test_sigterm_ends_the_server_and_sglangs_processes(server: tuple[Process, str]) -> None:
     """Last in the module: it stops the server. SGLang must not take SIGTERM for itself."""
     process, url = server
