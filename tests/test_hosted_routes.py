@@ -264,3 +264,26 @@ async def test_once_the_server_is_closing_a_hosted_route_is_a_503_at_once(
     answer = await request(app, "/health")
     assert answer.status == 503
     assert hosted.paths == []
+
+
+async def test_a_hosted_route_that_fails_leaves_nothing_in_flight(
+    autojump_clock: trio.testing.MockClock, worker: ts.Worker
+) -> None:
+    """A 500, its request stopped at the engine, and its id free for the next request."""
+
+    class Failing(HostedStandIn):
+        async def __call__(self, scope: Message, receive: Any, send: Send) -> None:
+            body = json.loads((await receive())["body"])
+            self.feeds.append(await scope[EXCHANGE_KEY].start(body))
+            raise RuntimeError("a bug in the hosted route")
+
+    failing = Failing()
+    app = ServerApp(worker, ServerMetrics(), model="m", limits=ServerLimits(), hosted=failing)
+    answer = await request(app, "/generate", {**LONG, "rid": "again"})
+    assert answer.status == 500
+    await worker.wait_idle()
+    assert worker.engine.live_requests() == 0
+    assert failing.feeds[0].end == "left"
+    # Not in flight any more: /abort_request finds nothing under its id.
+    stopped = await request(app, "/abort_request", {"rid": "again"})
+    assert json.loads(stopped.body) == {"found": False, "aborted": 0}

@@ -139,6 +139,10 @@ class HTTPExchange:
         for ctx in self._contexts:
             ctx.kill()
 
+    def cancel(self) -> None:
+        """End the HTTP request's task group: the route, and what runs for it, stop now."""
+        self._nursery.cancel_scope.cancel()
+
     def close(self) -> None:
         """The HTTP request is over: its requests are no longer in flight."""
         for ctx in self._contexts:

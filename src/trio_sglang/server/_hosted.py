@@ -96,34 +96,41 @@ class HostedRoutes:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        async with trio.open_nursery() as nursery:
-            exchange = HTTPExchange(
-                nursery, scope, self._worker, self._admission, self._inflight, self._closing
-            )
-            response = _Response(send, nursery, self._heartbeats, limits, exchange)
+        exchange: HTTPExchange | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                exchange = HTTPExchange(
+                    nursery, scope, self._worker, self._admission, self._inflight, self._closing
+                )
+                response = _Response(send, nursery, self._heartbeats, limits, exchange)
+                nursery.start_soon(self._watch_disconnect, receive, exchange, response, gone)
+                try:
+                    await self._app({**scope, EXCHANGE_KEY: exchange}, app_receive, response.send)
+                except Exception:
+                    logger.exception("%s %s failed", scope["method"], scope["path"])
+                    if not response.started:
+                        error = HTTPError(500, "internal server error", kind="server_error")
+                        await send_json(send, 500, error.body())
+                finally:
+                    response.ended = True
+                nursery.cancel_scope.cancel()  # what still runs once the route has answered
+            self._count(scope["path"], exchange, response)
+        finally:
+            if exchange is not None:  # however it ends: nothing stays in flight
+                exchange.close()
 
-            async def watch_disconnect() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if response.ended:  # it went after its whole answer: nothing to stop
-                    return
-                exchange.leave()
-                gone.set()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch_disconnect)
-            try:
-                await self._app({**scope, EXCHANGE_KEY: exchange}, app_receive, response.send)
-            except Exception:
-                logger.exception("%s %s failed", scope["method"], scope["path"])
-                if not response.started:
-                    error = HTTPError(500, "internal server error", kind="server_error")
-                    await send_json(send, 500, error.body())
-            finally:
-                response.ended = True
-            nursery.cancel_scope.cancel()
-        exchange.close()
-        self._count(scope["path"], exchange, response)
+    @staticmethod
+    async def _watch_disconnect(
+        receive: Receive, exchange: HTTPExchange, response: _Response, gone: trio.Event
+    ) -> None:
+        """The client left: its requests stop, the route is cancelled, the app hears of it."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if response.ended:  # it went after its whole answer: nothing to stop
+            return
+        exchange.leave()
+        gone.set()
+        exchange.cancel()
 
     def _count(self, endpoint: str, exchange: HTTPExchange, response: _Response) -> None:
         """Requests that reached the engine, by route and outcome (the path of one is a route)."""
