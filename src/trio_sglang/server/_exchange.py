@@ -25,7 +25,7 @@ import trio
 
 from .._core._context import RequestContext
 from .._core._outputs import PublicIds
-from .._core._worker import Worker
+from .._core._worker import PreparedRequest, Worker
 from .._errors import EngineError, EngineShutdown
 from .._hosted_app import FeedEnd, HTTPRefusal
 from ._admission import Admission
@@ -110,7 +110,7 @@ class HTTPExchange:
 
     async def _run(
         self,
-        prepared: Any,
+        prepared: PreparedRequest,
         ctx: RequestContext,
         send: trio.MemorySendChannel[dict[str, Any]],
         feed: _Feed,
