@@ -37,6 +37,8 @@ LONG = {"text": "hi", "sampling_params": {"max_new_tokens": 50, "ignore_eos": Tr
 class HostedStandIn:
     """What SGLang's ``/generate`` does with the exchange: one request, its outputs as SSE."""
 
+    keeps_metrics = True
+
     def __init__(self) -> None:
         self.feeds: list[Any] = []
         self.paths: list[str] = []

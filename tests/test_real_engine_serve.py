@@ -200,7 +200,8 @@ OTHER_STREAMS = {
         "model": "tiny-llama",
         "max_tokens": 3000,
         "messages": [{"role": "user", "content": "hello"}],
-        "ignore_eos": True,
+        # Anthropic's API has no ignore_eos: greedy, the tiny model never says EOS here.
+        "temperature": 0,
         "stream": True,
     },
     "/v1/chat/completions": {

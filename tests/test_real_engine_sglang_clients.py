@@ -133,18 +133,12 @@ def bench_serving(url: str, model: Path, backend: str, out: Path) -> dict[str, o
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sglangs_benchmark_completes_every_request_on_the_real_engine(
-    serve: str, model: Path, folder: Path, backend: str
+@pytest.mark.parametrize("engine", ["serve", "sim_serve"])  # the real engine, the SimEngine
+def test_sglangs_benchmark_completes_every_request(
+    request: pytest.FixtureRequest, model: Path, folder: Path, engine: str, backend: str
 ) -> None:
-    result = bench_serving(serve, model, backend, folder / f"bench-{backend}.jsonl")
-    assert result["completed"] == PROMPTS
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_sglangs_benchmark_completes_every_request_on_the_simengine(
-    sim_serve: str, model: Path, folder: Path, backend: str
-) -> None:
-    result = bench_serving(sim_serve, model, backend, folder / f"bench-sim-{backend}.jsonl")
+    url = request.getfixturevalue(engine)
+    result = bench_serving(url, model, backend, folder / f"bench-{engine}-{backend}.jsonl")
     assert result["completed"] == PROMPTS
 
 

@@ -34,6 +34,10 @@ FeedEnd = Literal["finished", "aborted", "shutdown", "failed", "left"]
 class HostedApp(Protocol):
     """An ASGI application (HTTP only), and the metrics it keeps of its own."""
 
+    #: Whether it keeps any (SGLang's: with ``--enable-metrics``); ``metrics`` reads
+    #: files, so ``/metrics`` calls it, in a thread, only then.
+    keeps_metrics: bool
+
     async def __call__(
         self,
         scope: MutableMapping[str, Any],
@@ -42,7 +46,7 @@ class HostedApp(Protocol):
     ) -> None: ...
 
     def metrics(self) -> bytes:
-        """Its own metrics in Prometheus's text format, for ``/metrics`` (empty if none)."""
+        """Its own metrics in Prometheus's text format, for ``/metrics``."""
         ...
 
 

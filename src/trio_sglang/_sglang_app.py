@@ -115,7 +115,7 @@ class _SGLangApp:
 
     def __init__(self, run_app: Callable[..., Any], enable_metrics: bool) -> None:
         self._run_app = run_app
-        self._enable_metrics = enable_metrics
+        self.keeps_metrics = enable_metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # SGLang's app runs on asyncio, and calls back into trio for the connection.
@@ -129,8 +129,6 @@ class _SGLangApp:
         TokenizerManager's, kept in this process in prometheus_client's own
         registry (it was imported before SGLang set the folder), are added to them.
         """
-        if not self._enable_metrics:
-            return b""
         from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
 
         processes = CollectorRegistry()

@@ -41,19 +41,16 @@ _OURS_ONLY = frozenset({"host", "port"})
 #: SGLang's flags for the parts of its server that ``serve`` replaces (the
 #: listening socket, its TLS and HTTP/2, the API-key middleware, the processes
 #: around its HTTP app), and why each is refused rather than taken and ignored.
+_TLS = "serve speaks plain HTTP: put TLS in a proxy in front of it"
+_GRPC = "SGLang's gRPC server would reach the engine around trio-sglang's lifecycle"
 SERVER_FLAGS_REFUSED: dict[str, str] = {
     "admin_api_key": "serve's --api-key guards every route; it has no admin key",
-    "ssl_keyfile": "serve speaks plain HTTP: put TLS in a proxy in front of it",
-    "ssl_certfile": "serve speaks plain HTTP: put TLS in a proxy in front of it",
-    "ssl_ca_certs": "serve speaks plain HTTP: put TLS in a proxy in front of it",
-    "ssl_keyfile_password": "serve speaks plain HTTP: put TLS in a proxy in front of it",
-    "enable_ssl_refresh": "serve speaks plain HTTP: put TLS in a proxy in front of it",
+    **dict.fromkeys(("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_keyfile_password"), _TLS),
+    "enable_ssl_refresh": _TLS,
     "enable_http2": "serve's own --http2 speaks HTTP/2 (cleartext, prior knowledge)",
     "tokenizer_worker_num": "serve runs SGLang's server with one tokenizer, in its own process",
     "fastapi_root_path": "serve mounts SGLang's routes at the root",
-    "grpc_port": "SGLang's gRPC server would reach the engine around trio-sglang's lifecycle",
-    "grpc_mode": "SGLang's gRPC server would reach the engine around trio-sglang's lifecycle",
-    "smg_grpc_mode": "SGLang's gRPC server would reach the engine around trio-sglang's lifecycle",
+    **dict.fromkeys(("grpc_port", "grpc_mode", "smg_grpc_mode"), _GRPC),
     "sidecar": "SGLang's sidecar goes with its gRPC server, which serve does not run",
 }
 

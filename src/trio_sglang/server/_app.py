@@ -260,7 +260,7 @@ class ServerApp:
 
     async def _metrics(self, send: Send) -> None:
         text = self.metrics.render()
-        if self._hosted_app is not None:  # SGLang's own, with --enable-metrics
+        if self._hosted_app is not None and self._hosted_app.keeps_metrics:  # SGLang's own
             text += await trio.to_thread.run_sync(self._hosted_app.metrics)
         await send_text(send, 200, text.decode(), b"text/plain; version=0.0.4")
 
