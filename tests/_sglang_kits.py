@@ -1,12 +1,14 @@
 """SGLang's own HTTP test kits (``sglang.test.kits``), run against one server URL.
 
-    python tests/_sglang_kits.py URL MODEL OUT.json
+    python tests/_sglang_kits.py URL MODEL OUT.json [--times N] [CASE ...]
 
 SGLang tests its server with these mixins, each a set of ``unittest`` cases
 that talk to ``self.base_url`` over HTTP. They are run here unchanged, each
 mixed into a ``TestCase`` as SGLang's own test files mix them, and each
-case's outcome is written to ``OUT.json`` (``passed``, ``skipped``, or
-``failed: <the last line of its traceback>``). In a process of its own:
+case's outcomes are written to ``OUT.json``, a list per case (``passed``,
+``skipped``, or ``failed: <the last line of its traceback>``): all cases
+once, or the named ones (``RegexConstrainedMixinCase.test_regex_generate_json``)
+``--times`` times, for a case that samples. In a process of its own:
 the kits print, and some call ``requests`` for minutes. The kits that need
 what the tiny model cannot give (a reasoning model, LoRA, sessions, a
 multimodal model, speculative decoding) are not in ``KITS``.
@@ -14,11 +16,13 @@ multimodal model, speculative decoding) are not in ``KITS``.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import io
 import json
 import sys
 import unittest
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +47,9 @@ class _Alive:
         return None
 
 
-def run(url: str, model: str) -> dict[str, str]:
+def _cases(url: str, model: str) -> Iterator[type[unittest.TestCase]]:
     import openai
 
-    outcomes: dict[str, str] = {}
     for module, mixin in KITS:
         kit = getattr(importlib.import_module(f"sglang.test.kits.{module}"), mixin)
         attributes: dict[str, Any] = {
@@ -59,26 +62,49 @@ def run(url: str, model: str) -> dict[str, str]:
             "abort_all_num_requests": 8,
             "abort_all_max_new_tokens": 4000,
         }
-        case = type(f"{mixin}Case", (kit, unittest.TestCase), attributes)
+        yield type(f"{mixin}Case", (kit, unittest.TestCase), attributes)
+
+
+def run(url: str, model: str, only: Collection[str] = (), times: int = 1) -> dict[str, list[str]]:
+    """Each case's outcomes, ``times`` runs: every case, or the ones named in ``only``."""
+    outcomes: dict[str, list[str]] = {}
+    for case in _cases(url, model):
         suite = unittest.TestLoader().loadTestsFromTestCase(case)
-        names = [test.id().split(".", 1)[1] for test in suite]
-        result = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(suite)
-        failed = {
-            test.id().split(".", 1)[1]: trace.strip().splitlines()[-1][:300]
-            for test, trace in result.failures + result.errors
-        }
-        skipped = {test.id().split(".", 1)[1] for test, _ in result.skipped}
-        for name in names:
-            if name in failed:
-                outcomes[name] = f"failed: {failed[name]}"
-            else:
-                outcomes[name] = "skipped" if name in skipped else "passed"
+        tests = [test for test in suite if not only or _name(test) in only]
+        for _ in range(times if tests else 0):
+            result = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(
+                unittest.TestSuite(tests)
+            )
+            failed = {
+                _name(test): trace.strip().splitlines()[-1][:300]
+                for test, trace in result.failures + result.errors
+            }
+            skipped = {_name(test) for test, _ in result.skipped}
+            for name in map(_name, tests):
+                if name in failed:
+                    outcome = f"failed: {failed[name]}"
+                else:
+                    outcome = "skipped" if name in skipped else "passed"
+                outcomes.setdefault(name, []).append(outcome)
     return outcomes
 
 
+def _name(test: unittest.TestCase) -> str:
+    return test.id().split(".", 1)[1]
+
+
 def main(argv: list[str]) -> int:
-    url, model, out = argv
-    Path(out).write_text(json.dumps(run(url, model), indent=1))
+    parser = argparse.ArgumentParser(prog="_sglang_kits.py", description=__doc__)
+    parser.add_argument("url")
+    parser.add_argument("model")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("cases", nargs="*", help="only these cases (all by default)")
+    parser.add_argument("--times", type=int, default=1, help="runs of each case")
+    args = parser.parse_args(argv)
+    outcomes = run(args.url, args.model, args.cases, args.times)
+    if missing := set(args.cases) - outcomes.keys():
+        parser.error(f"no such case: {sorted(missing)}")
+    args.out.write_text(json.dumps(outcomes, indent=1))
     return 0
 
 
