@@ -218,6 +218,7 @@ def real_engine(session: nox.Session) -> None:
         "real_engine",
         "tests/test_real_engine.py",
         "tests/test_real_engine_serve.py",  # that release's own server application
+        "tests/test_real_engine_missed_aborts.py",
         env={"PYTHONPATH": str(older)},
     )
 

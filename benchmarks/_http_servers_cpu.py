@@ -1,6 +1,7 @@
 """An HTTP server on the whole SGLang engine, on this CPU: SGLang's own, or trio-sglang's.
 
-    python benchmarks/_http_servers_cpu.py [--slow-tokenize S] {sglang,trio-sglang} -- FLAGS...
+    python benchmarks/_http_servers_cpu.py [--slow-tokenize S] [--miss-first-abort]
+        {sglang,trio-sglang} -- FLAGS...
 
 What ``cancel_latency.py --engine sglang-engine`` sets side by side, each over
 its own ``sglang.Engine`` on the tiny model: SGLang 0.5.23's ``launch_server``
@@ -11,22 +12,29 @@ SGLang's own flags), and ``trio-sglang serve --engine sglang --device cpu``
 trio-sglang prepares it, before SGLang is imported. One change to both, so
 that a client can leave during a slow tokenization as in the harness's phases:
 a prompt that starts with ``SLOW_PROMPT`` is tokenized ``--slow-tokenize``
-seconds late, in SGLang's own TokenizerManager.
+seconds late, in SGLang's own TokenizerManager. With ``--miss-first-abort``,
+one more: SGLang's scheduler misses the first abort of every request
+(``_missed_aborts.py``), for both servers alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import Any
 
+from _missed_aborts import MISS_FIRST_ABORT, install
 from trio_sglang._sglang_cpu import CPU_DEFAULTS, prepare_cpu_engine
 
 __all__ = ["SLOW_PROMPT", "cpu_flags", "main", "slow_down"]
 
 #: A prompt that starts so is tokenized late (``--slow-tokenize``).
 SLOW_PROMPT = "slowly: "
+
+# Here too in SGLang's scheduler process, whose spawn imports this script again.
+install()
 
 
 def cpu_flags() -> list[str]:
@@ -56,11 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="_http_servers_cpu.py", description=__doc__)
     parser.add_argument("server", choices=["sglang", "trio-sglang"])
     parser.add_argument("--slow-tokenize", type=float, default=0.5, help="seconds")
+    parser.add_argument(
+        "--miss-first-abort",
+        action="store_true",
+        help="SGLang's scheduler misses the first abort of every request (issue #36876)",
+    )
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the server's flags, after --")
     args = parser.parse_args(argv)
     flags = [flag for flag in args.flags if flag != "--"]
     prepare_cpu_engine()
     slow_down(args.slow_tokenize)
+    if args.miss_first_abort:
+        os.environ[MISS_FIRST_ABORT] = "1"  # for the scheduler process, which inherits it
+        install()
     if args.server == "trio-sglang":
         from trio_sglang._cli import main as trio_sglang
 

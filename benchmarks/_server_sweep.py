@@ -85,15 +85,19 @@ def _serve_holds(url: str) -> Callable[[], int]:
 
 
 @contextmanager
-def started(name: str, model: Path, folder: Path) -> Iterator[Server]:
+def started(
+    name: str, model: Path, folder: Path, *options: str, flags: Sequence[str] = ()
+) -> Iterator[Server]:
+    """``name``'s server on ``model``; ``options``: ``_http_servers_cpu.py``'s own, ``flags``:
+    the server's (SGLang's flags, for both)."""
     port = free_port()
-    flags = ["--model-path", str(model), "--port", str(port)]
+    flags = ["--model-path", str(model), "--port", str(port), *flags]
     if name == "sglang-server":
         kind, holds, flags = "sglang", _sglang_holds, [*flags, "--skip-server-warmup"]
     else:
         kind, holds = "trio-sglang", _serve_holds
     script = [sys.executable, str(HERE / "_http_servers_cpu.py")]
-    command = [*script, "--slow-tokenize", str(SLOW_TOKENIZE), kind, "--", *flags]
+    command = [*script, "--slow-tokenize", str(SLOW_TOKENIZE), *options, kind, "--", *flags]
     process = Process(name, command, folder / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     try:

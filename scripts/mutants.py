@@ -40,7 +40,8 @@ from mutmut.utils.format_utils import orig_function_and_class_names_from_key
 
 #: ``--quick``, CI's subset: the code that carries a cancel from the caller's stream to
 #: the engine (the request's lifecycle, its block, the worker's shutdown, the ordered
-#: abort and the cleanup's owner), not constructors, nor the request's way in (``generate``).
+#: abort, its confirmation and the cleanup's owner), not constructors, nor the
+#: request's way in (``generate``).
 QUICK = (
     "trio_sglang._core._lifecycle.xǁLifecycleǁ[!_]*",
     "trio_sglang._core._lifecycle.xǁLifecycleǁ_[!_]*",
@@ -49,6 +50,7 @@ QUICK = (
     "trio_sglang._core._worker.xǁWorkerǁ_[!_]*",
     "trio_sglang._core._worker.xǁWorkerǁend_grace*",
     "trio_sglang._core._cleanup.*",
+    "trio_sglang._core._confirm.*",
     "trio_sglang._core._cleanup_group.*",
     "trio_sglang._core._drain.*",
     "trio_sglang._core._disagg.xǁPrefillLegǁend*",

@@ -29,7 +29,8 @@ from trio_sglang._core._outputs import PublicIds, format_chunk
 # -- AbortPolicy -------------------------------------------------------------------
 
 POLICY_FIELDS = [field.name for field in dataclasses.fields(ts.AbortPolicy)]
-DURATION_FIELDS = [name for name in POLICY_FIELDS if name != "abort_attempts"]
+COUNT_FIELDS = {"abort_attempts": 1, "outputs_after_abort": 0}  # each one's least value
+DURATION_FIELDS = [name for name in POLICY_FIELDS if name not in COUNT_FIELDS]
 
 
 def test_abort_policy_defaults_are_valid() -> None:
@@ -39,7 +40,9 @@ def test_abort_policy_defaults_are_valid() -> None:
         assert isinstance(value, float)
         # Every bound is finite, but the stall bound, off by default.
         assert 0 < value < math.inf or (name == "stall_timeout" and value == math.inf)
-    assert policy.abort_attempts >= 1
+    for name, least in COUNT_FIELDS.items():
+        assert type(getattr(policy, name)) is int
+        assert getattr(policy, name) >= least
     assert ts.AbortPolicy(**dataclasses.asdict(policy)) == policy
 
 
@@ -71,6 +74,13 @@ def test_abort_attempts_rejects_zero_and_floats(value: object) -> None:
 
 def test_abort_attempts_accepts_one() -> None:
     assert ts.AbortPolicy(abort_attempts=1).abort_attempts == 1
+
+
+@pytest.mark.parametrize("value", [-1, 1.0, 2.5], ids=repr)
+def test_outputs_after_abort_is_a_count_from_zero(value: object) -> None:
+    assert ts.AbortPolicy(outputs_after_abort=0).outputs_after_abort == 0
+    with pytest.raises(ValueError, match=r"AbortPolicy\.outputs_after_abort must be an int >= 0"):
+        ts.AbortPolicy(outputs_after_abort=value)  # type: ignore[arg-type]
 
 
 # -- RequestContext ------------------------------------------------------------------

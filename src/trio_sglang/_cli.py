@@ -244,6 +244,7 @@ _POLICY = FieldOptions(
         "release_timeout",
         "dispatch_timeout",
         "abort_attempts",
+        "outputs_after_abort",
         "abort_retry_delay",
         "abort_timeout",
         "child_watch_timeout",

@@ -12,7 +12,12 @@ real ``TokenizerManager`` and the ``SimEngine`` fit it without pretending:
 - closing the stream (or cancelling a pull) runs the engine's own release
   path: an undispatched request is forgotten, a dispatched one is aborted.
 
-Beside it, two optional capabilities the lifecycle never uses: ``ChatTemplating``,
+An optional capability the lifecycle uses where an engine has it:
+``HearsScheduler``, an engine that tells what its scheduler sent for an id
+after an abort, and can send the abort again past SGLang's once-only flag
+(a scheduler can miss an abort and decode on: ``_core/_confirm.py``).
+
+Beside them, two optional capabilities the lifecycle never uses: ``ChatTemplating``,
 an engine that renders chat messages with its model's chat template (the
 server's chat route asks for it), and ``HostsApp``, an engine that brings its
 own HTTP server application, which ``serve`` runs over the lifecycle
@@ -27,6 +32,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import trio
+
 from ._hosted_app import HostedApp
 
 __all__ = [
@@ -34,9 +41,11 @@ __all__ = [
     "Engine",
     "EngineFeatures",
     "EngineStream",
+    "HearsScheduler",
     "HostsApp",
     "RequestPhase",
     "Role",
+    "SchedulerEcho",
 ]
 
 #: A worker's role, from its engine's ``disaggregation_mode`` (``_disagg.py``).
@@ -175,6 +184,68 @@ class Engine(Protocol):
 
     def live_requests(self) -> int:
         """How many requests the engine holds right now (for metrics)."""
+        ...
+
+
+class SchedulerEcho:
+    """What the scheduler has sent for one id since an abort of it went out.
+
+    An engine that hears its scheduler keeps one per id it sent an abort for
+    (``HearsScheduler``), and the lifecycle reads it: outputs that keep
+    coming say the scheduler missed the abort, the id's final output (its
+    abort finish, or its natural end) says it stopped.
+    """
+
+    __slots__ = ("_lot", "finished", "outputs")
+
+    def __init__(self) -> None:
+        #: Outputs that were not the id's last, since the abort.
+        self.outputs = 0
+        #: The id's final output has come: the scheduler let it go.
+        self.finished = False
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def heard(self, *, finished: bool) -> None:
+        """One output for the id came from the scheduler (called by the engine)."""
+        if finished:
+            self.finished = True
+        else:
+            self.outputs += 1
+        self._lot.unpark_all()
+
+    async def changed(self) -> None:
+        """Return at the next output for the id (unbounded: callers bound it)."""
+        await self._lot.park()
+
+
+@runtime_checkable
+class HearsScheduler(Protocol):
+    """An engine that hears its scheduler on an aborted id, and can abort it again.
+
+    SGLang's scheduler can miss an abort (a request moving between batches
+    decodes on), its TokenizerManager sends only the first abort of a request
+    (0.5.20 on), and some releases forget a request on close while the
+    scheduler still decodes it (0.5.18, 0.5.19): nothing the engine's own
+    ``abort`` does can reach such a request again.
+    """
+
+    def echo(self, rid: str) -> SchedulerEcho | None:
+        """What the scheduler sent for ``rid`` since the engine sent it an abort.
+
+        The engine keeps one for every id it sent an abort for (by its release
+        path or by ``abort``), until ``forget_echo``; ``None`` where it sent none.
+        """
+        ...
+
+    def forget_echo(self, rid: str) -> None:
+        """Stop keeping ``rid``'s echo (a no-op where there is none)."""
+        ...
+
+    async def abort_again(self, rid: str) -> None:
+        """Send an abort of ``rid`` to the scheduler itself, past the once-only flag.
+
+        A second abort of a request the scheduler holds is harmless to it.
+        """
         ...
 
 

@@ -20,6 +20,8 @@ lifecycle, given how SGLang's TokenizerManager holds and releases requests:
   supported release releases on close;
 - ``aclose`` closes the generator explicitly, because a generator parked at
   its ``yield`` is otherwise finalised only by the garbage collector;
+- it hears its scheduler on the ids it sent an abort for, and sends an abort
+  again past SGLang's once-only flag (``HearsScheduler``, ``_sglang_echoes.py``);
 - ``phase`` reads ``rid_to_state`` and the dispatch mark; there is no event to
   wait on, so one ``PhasePoller`` task per engine looks, at a short fixed
   interval, at every rid somebody waits on (and ticks only while somebody does);
@@ -43,11 +45,13 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._engine import EngineFeatures, RequestPhase
+from ._echoes import Echoes
+from ._engine import EngineFeatures, RequestPhase, SchedulerEcho
 from ._hosted_app import HostedApp
 from ._phase_poller import PhasePoller
 from ._sglang_chat import SGLangChat
 from ._sglang_cpu import prepare_cpu_engine, with_cpu_defaults
+from ._sglang_echoes import hearing_scheduler, send_abort
 from ._sglang_fields_taken import fields_taken
 from ._sglang_release import Orphans, abort_dispatched, dispatched, forget_leftovers, states_of
 from ._sglang_semantics import SGLangSemantics, detect_semantics, require_supported
@@ -121,6 +125,7 @@ class SGLangEngine:
         self._detected: SGLangSemantics | None = None
         #: Dispatched states whose stream died before SGLang finished them (old releases).
         self._orphans = Orphans()
+        self._echoes = Echoes()
 
     @property
     def tokenizer_manager(self) -> Any:
@@ -149,7 +154,8 @@ class SGLangEngine:
                 await self._in_asyncio(self._start_receiving)(loop)
                 nursery.start_soon(self._poller.run)
                 try:
-                    yield
+                    with hearing_scheduler(self._tm, self._echoes):
+                        yield
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
@@ -299,6 +305,16 @@ class SGLangEngine:
     async def abort(self, rid: str) -> None:
         # A synchronous send on SGLang's socket to the scheduler.
         self.tokenizer_manager.abort_request(rid=rid)
+        await trio.lowlevel.checkpoint()
+
+    def echo(self, rid: str) -> SchedulerEcho | None:
+        return self._echoes.get(rid)
+
+    def forget_echo(self, rid: str) -> None:
+        self._echoes.forget(rid)
+
+    async def abort_again(self, rid: str) -> None:
+        send_abort(self.tokenizer_manager, rid)  # a synchronous send, as ``abort``'s
         await trio.lowlevel.checkpoint()
 
     def scheduler_requests(self) -> int:

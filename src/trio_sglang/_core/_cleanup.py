@@ -16,7 +16,7 @@ import logging
 
 import trio
 
-from .._engine import Engine, RequestPhase
+from .._engine import Engine, HearsScheduler, RequestPhase
 from ._policy import AbortPolicy
 from ._reports import EngineFault, Reports
 
@@ -31,12 +31,19 @@ async def released(engine: Engine, rid: str) -> None:
 
 
 async def ordered_abort(
-    engine: Engine, policy: AbortPolicy, reports: Reports, public_id: str, rid: str
+    engine: Engine,
+    policy: AbortPolicy,
+    reports: Reports,
+    public_id: str,
+    rid: str,
+    hears: HearsScheduler,
 ) -> None:
     """Abort ``rid`` right after its dispatch (never before), bounded, retried.
 
     Whatever goes wrong is reported once: the first failure if a retry then
-    took, the last one if none did.
+    took, the last one if none did. Where the engine hears its scheduler
+    (``hears`` has its echo), an abort that left is the caller's to confirm
+    (``_confirm.py``).
     """
     phase = engine.phase(rid)
     if phase is RequestPhase.REGISTERED:
@@ -55,7 +62,7 @@ async def ordered_abort(
     for attempt in range(1, policy.abort_attempts + 1):
         if phase is RequestPhase.ABSENT:
             break
-        failure = await _attempt_abort(engine, policy, rid)
+        failure = await _attempt_abort(engine, policy, rid, hears)
         if failure is None:
             break
         failures.append(failure)
@@ -86,7 +93,7 @@ async def ordered_abort(
 
 
 async def _attempt_abort(
-    engine: Engine, policy: AbortPolicy, rid: str
+    engine: Engine, policy: AbortPolicy, rid: str, hears: HearsScheduler
 ) -> tuple[EngineFault, BaseException | None] | None:
     """One abort, bounded, then the wait for it to take; what went wrong, or None."""
     with trio.move_on_after(policy.abort_timeout) as call:
@@ -96,6 +103,8 @@ async def _attempt_abort(
             return ("abort_error", exc)
     if call.cancelled_caught:
         return ("abort_timeout", None)
+    if hears.echo(rid) is not None:
+        return None  # it left: the scheduler's answer is listened to next
     with trio.move_on_after(policy.release_timeout):
         await released(engine, rid)
         return None

@@ -37,7 +37,9 @@ forgotten and never reaches the scheduler, a dispatched one is aborted), so
 that comes first; the ordered abort (``_cleanup.py``) is the fallback. Once
 the release path has sent a request's abort, no second one is sent while the
 first is on its way (behind a long prefill forward, say): SGLang honours one
-abort per request, and would drop it.
+abort per request, and would drop it. Where the engine hears its scheduler,
+every abort that left is then listened to until the scheduler takes it, and
+sent again past that rule if the scheduler decodes on (``_confirm.py``).
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ from typing import Any, TypeVarTuple
 
 import trio
 
-from .._engine import Engine, EngineStream, RequestPhase
+from .._engine import Engine, EngineStream, HearsScheduler, RequestPhase, SchedulerEcho
 from .._errors import EngineError, EngineShutdown
 from .._request import OutputMode
 from ._cleanup import ordered_abort, released
 from ._cleanup_group import CleanupGroup
+from ._confirm import DEAF, confirm_abort
 from ._disagg import PrefillLeg
 from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
@@ -136,6 +139,7 @@ class Lifecycle:
         "_error",
         "_group",
         "_has_reader",
+        "_hears",
         "_leg",
         "_output",
         "_policy",
@@ -178,9 +182,11 @@ class Lifecycle:
         scope: trio.CancelScope,
         children_unknown: bool = False,
         leg: PrefillLeg | None = None,
+        hears: HearsScheduler = DEAF,
     ) -> None:
-        #: The worker's, shared by its requests.
+        #: The worker's, shared by its requests (``hears``: the engine, if it hears its scheduler).
         self._engine = engine
+        self._hears = hears
         self._policy = policy
         self._group = group
         self._reports = reports
@@ -336,7 +342,7 @@ class Lifecycle:
         """
         if pull_cancelled:
             held = self._held()
-            if not held:
+            if not held and self._scheduler_done():
                 self._reports.cleanup_finished(0.0, released=True)
                 self._fire(_STOPPED)
                 return
@@ -553,6 +559,9 @@ class Lifecycle:
             )
 
     async def _settle(self, rid: str) -> None:
+        if (echo := self._hears.echo(rid)) is not None:
+            await self._confirm(rid, echo)  # the scheduler's own word
+            return
         with trio.move_on_after(self._policy.release_timeout):
             await released(self._engine, rid)
             return
@@ -568,7 +577,39 @@ class Lifecycle:
         if rid in self.abort_started:
             return
         self.abort_started |= {rid}
-        await ordered_abort(self._engine, self._policy, self._reports, self.ids.request, rid)
+        await ordered_abort(
+            self._engine, self._policy, self._reports, self.ids.request, rid, self._hears
+        )
+        if (echo := self._hears.echo(rid)) is not None:
+            await self._confirm(rid, echo)
+
+    # -- what the scheduler said after an abort (``_confirm.py``) ---------------
+
+    async def _confirm(self, rid: str, echo: SchedulerEcho) -> None:
+        phase = self._engine.phase
+
+        def held() -> bool:
+            return phase(rid) is not RequestPhase.ABSENT
+
+        try:
+            await confirm_abort(
+                self._hears, self._policy, self._reports, self.ids.request, rid, echo, held
+            )
+        finally:
+            self._hears.forget_echo(rid)
+
+    def _scheduler_done(self) -> bool:
+        """Whether the scheduler finished every id of the request it was sent an abort for.
+
+        Their echoes are forgotten then; one still open needs a cleanup task to listen to it.
+        """
+        hears = self._hears
+        echoes = [(rid, echo) for rid in self.unfinished() if (echo := hears.echo(rid)) is not None]
+        if not all(echo.finished for _, echo in echoes):
+            return False
+        for rid, _ in echoes:
+            hears.forget_echo(rid)
+        return True
 
     # -- the request's engine ids ----------------------------------------------
 

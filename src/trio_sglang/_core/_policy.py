@@ -7,6 +7,9 @@ from dataclasses import dataclass, fields
 
 __all__ = ["AbortPolicy"]
 
+#: The policy's counts, not seconds: each one's least value.
+_COUNTS = {"abort_attempts": 1, "outputs_after_abort": 0}
+
 
 @dataclass(frozen=True, slots=True)
 class AbortPolicy:
@@ -28,8 +31,13 @@ class AbortPolicy:
     #: lost, so the lifecycle waits for dispatch (woken, not polled) first.
     dispatch_timeout: float = 5.0
     #: How many times an abort is sent when the engine raises or the abort
-    #: does not take (at least 1).
+    #: does not take (at least 1); where the engine hears its scheduler, also
+    #: how many aborts in all a request gets whose scheduler decodes it on.
     abort_attempts: int = 3
+    #: Outputs of an aborted id the scheduler may still send (what was in
+    #: flight when the abort arrived) before the abort counts as missed and is
+    #: sent again (engines that hear their scheduler: ``_confirm.py``).
+    outputs_after_abort: int = 2
     #: Pause between abort attempts.
     abort_retry_delay: float = 0.005
     #: Bound on one call of the engine's abort (SGLang's is a socket send:
@@ -58,10 +66,11 @@ class AbortPolicy:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name == "abort_attempts":
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if field.name in _COUNTS:
+                least = _COUNTS[field.name]
+                if not isinstance(value, int) or isinstance(value, bool) or value < least:
                     raise ValueError(
-                        f"AbortPolicy.abort_attempts must be an int >= 1, got {value!r}"
+                        f"AbortPolicy.{field.name} must be an int >= {least}, got {value!r}"
                     )
             elif (
                 not isinstance(value, int | float)

@@ -36,6 +36,8 @@ EngineFault = Literal[
     "abort_error",  # the engine's abort raised
     "abort_timeout",  # the engine's abort call took over ``abort_timeout``
     "abort_not_taken",  # the abort returned, but the engine kept the request
+    "abort_missed",  # the scheduler decoded on after the abort; sent again, it stopped
+    "abort_outlived",  # the scheduler decoded on after every abort sent
     "dispatch_timeout",  # still undispatched after ``dispatch_timeout``: not aborted
     "cleanup_timeout",  # the whole cleanup ran past ``cleanup_timeout``
     "prefill_failed",  # a decode worker's prefill leg failed at its prefill worker

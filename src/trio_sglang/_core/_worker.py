@@ -36,12 +36,13 @@ from typing import Any
 
 import trio
 
-from .._engine import Engine, EngineFeatures, Role
+from .._engine import Engine, EngineFeatures, HearsScheduler, Role
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._fields import check_honoured
 from .._request import OutputMode, ParsedRequest, parse_request
 from ._capabilities import build_capabilities
 from ._cleanup_group import CleanupGroup, open_cleanup_group
+from ._confirm import DEAF
 from ._context import RequestContext, attach, detach
 from ._disagg import (
     PrefillLeg,
@@ -195,6 +196,8 @@ class Worker:
         self._policy = policy
         self._cleanups = cleanups
         self._features = engine.features()
+        #: The engine, if it hears its scheduler on aborted ids (``_confirm.py``).
+        self._hears = engine if isinstance(engine, HearsScheduler) else DEAF
         self._prefill = prefill
         self._prefill_cancel_anytime = prefill_cancel_anytime
         self._reports = Reports(observer)
@@ -341,6 +344,7 @@ class Worker:
             scope=scope,
             children_unknown=not parsed.stable_ids,
             leg=leg,
+            hears=self._hears,
         )
         self._open_blocks.add(life)
         attach(ctx, scope)

@@ -9,7 +9,7 @@ from typing import Any, get_args
 import trio
 
 from .._chat import plain_transcript
-from .._engine import EngineFeatures, RequestPhase
+from .._engine import EngineFeatures, RequestPhase, SchedulerEcho
 from .._kv_rooms import KVRooms
 from .._sampling import SAMPLING_PARAMS, native_name
 from ._disagg import (
@@ -100,6 +100,12 @@ class SimEngine:
 
     Its chat template (``render_chat``, the ``ChatTemplating`` capability) is
     the plain transcript: ``role: text`` lines, then ``assistant:``.
+
+    It hears its scheduler on every id it sent an abort for, and aborts one
+    again past the once-only flag (``HearsScheduler``), as ``SGLangEngine``
+    does. ``missed_aborts`` injects the scheduler fault that needs it (SGLang
+    issue #36876): each request's first that many aborts pass it by and it
+    decodes on (an aggregated engine's scheduler only).
     """
 
     #: The SGLang release whose behaviour this models.
@@ -118,6 +124,7 @@ class SimEngine:
         kv_rooms: KVRooms | None = None,
         disagg_timing: SimDisaggTiming | None = None,
         context_length: int = 32768,
+        missed_aborts: int = 0,
     ) -> None:
         for name, flag in (("release_on_close", release_on_close), ("keep_trace", keep_trace)):
             if not isinstance(flag, bool):
@@ -134,13 +141,19 @@ class SimEngine:
             )
         if not isinstance(context_length, int) or context_length < 1:
             raise ValueError(f"context_length must be an int >= 1, got {context_length!r}")
+        if type(missed_aborts) is not int or missed_aborts < 0:
+            raise ValueError(f"missed_aborts must be an int >= 0, got {missed_aborts!r}")
         self.context_length = context_length
         self.timing = SimTiming(tokenize_delay, dispatch_delay, first_token_delay, token_interval)
         self.disaggregation_mode = disaggregation_mode
         self.disagg_timing = SimDisaggTiming() if disagg_timing is None else disagg_timing
         self.trace = Trace(keep_events=keep_trace)
         self._tm = SimTokenizerManager(
-            self.timing, self.trace, release_on_close, self._scheduler_factory(kv_rooms)
+            self.timing,
+            self.trace,
+            release_on_close,
+            self._scheduler_factory(kv_rooms),
+            missed_aborts,
         )
 
     def _scheduler_factory(self, rooms: KVRooms | None) -> SchedulerFactory | None:
@@ -209,6 +222,16 @@ class SimEngine:
 
     async def abort(self, rid: str) -> None:
         self._tm.abort_request(rid)
+        await trio.lowlevel.checkpoint()
+
+    def echo(self, rid: str) -> SchedulerEcho | None:
+        return self._tm.echoes.get(rid)
+
+    def forget_echo(self, rid: str) -> None:
+        self._tm.echoes.forget(rid)
+
+    async def abort_again(self, rid: str) -> None:
+        self._tm.abort_again(rid)
         await trio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:

@@ -5,6 +5,10 @@ tests run against the real TokenizerManager): requests and aborts arrive in
 order on one queue and are applied on receipt; an abort stops every request
 whose rid starts with the aborted rid; an abort that matches nothing is
 simply gone, even if its request arrives a moment later.
+
+``missed_aborts`` injects SGLang's scheduler fault (issue #36876: a request
+moving between batches is not found by its abort and decodes on): each
+request's first that many aborts pass it by.
 """
 
 from __future__ import annotations
@@ -61,8 +65,13 @@ class _Running:
 
 
 class SimScheduler:
-    def __init__(self, timing: SimTiming, trace: Trace, sink: OutputSink) -> None:
+    def __init__(
+        self, timing: SimTiming, trace: Trace, sink: OutputSink, missed_aborts: int = 0
+    ) -> None:
         self._timing = timing
+        self._missed_aborts = missed_aborts
+        #: Aborts each request has missed so far (with ``missed_aborts``).
+        self._missed: dict[str, int] = {}
         self._trace = trace
         self._sink = sink
         self._requests: dict[str, _Running] = {}
@@ -105,6 +114,11 @@ class SimScheduler:
             self._trace.record("abort_lost", prefix)
             return
         for rid in hits:
+            missed = self._missed.get(rid, 0)
+            if missed < self._missed_aborts:
+                self._missed[rid] = missed + 1
+                self._trace.record("abort_missed", rid)
+                continue
             self._remove(rid)
             self._trace.record("abort_applied", rid)
             self._sink(rid, [], {"type": "abort", "message": "Abort by request."})
@@ -149,4 +163,5 @@ class SimScheduler:
 
     def _remove(self, rid: str) -> None:
         del self._requests[rid]
+        self._missed.pop(rid, None)
         del self._sorted_rids[bisect_left(self._sorted_rids, rid)]

@@ -14,6 +14,10 @@ What it reproduces, each something a cancellation lifecycle has to get right:
   every child to a fresh uuid and sends the children one by one;
 - a dispatched state stays registered until the scheduler's final output or
   abort echo removes it.
+
+Beside SGLang's, what ``SGLangEngine`` adds around it (``HearsScheduler``):
+every output of an id it sent an abort for is told to ``echoes``, and
+``abort_again`` sends an abort past the once-only flag.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, NamedTuple
 
 import trio
 
+from .._echoes import Echoes
 from .._engine import RequestPhase
 from .._increments import IncrementQueue
 from .._kv_rooms import BootstrapAddr
@@ -86,13 +91,15 @@ class SimTokenizerManager:
         trace: Trace,
         release_on_close: bool,
         make_scheduler: SchedulerFactory | None = None,
+        missed_aborts: int = 0,
     ) -> None:
         self.timing = timing
         self.trace = trace
         self.release_on_close = release_on_close
         self.rid_to_state: dict[str, ReqState] = {}
+        self.echoes = Echoes()
         self.scheduler = (
-            SimScheduler(timing, trace, self._on_output)
+            SimScheduler(timing, trace, self._on_output, missed_aborts)
             if make_scheduler is None
             else make_scheduler(self._on_output)
         )
@@ -129,6 +136,12 @@ class SimTokenizerManager:
             return
         state.abort_sent = True
         self.trace.record("abort_requested", rid)
+        self.echoes.sent(rid)
+        self.scheduler.abort(rid)
+
+    def abort_again(self, rid: str) -> None:
+        """An abort straight to the scheduler, past ``abort_sent``."""
+        self.trace.record("abort_resent", rid)
         self.scheduler.abort(rid)
 
     def generate_request(self, request: Mapping[str, Any]) -> SimStream:
@@ -176,6 +189,8 @@ class SimTokenizerManager:
     def _on_output(
         self, rid: str, token_ids: list[int], finish_reason: dict[str, Any] | None
     ) -> None:
+        if self.echoes:
+            self.echoes.heard(rid, finished=finish_reason is not None)
         state = self.rid_to_state.get(rid)
         if state is None:
             return

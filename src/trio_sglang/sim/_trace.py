@@ -19,6 +19,8 @@ TraceKind = Literal[
     "abort_dropped",  # abort_request ignored: unknown rid, or abort already sent
     "abort_applied",  # the scheduler stopped a request it held
     "abort_lost",  # the scheduler got an abort that matched nothing
+    "abort_missed",  # the scheduler missed an abort of a request it held (``missed_aborts``)
+    "abort_resent",  # an abort went to the scheduler again, past abort_request's flag
     "released",  # the tokenizer side dropped an undispatched state
     # Prefill/decode disaggregation (detail: the bootstrap room, or the chunk size):
     "bootstrapped",  # the two sides' handshake on the room is done
