@@ -195,10 +195,10 @@ def real_engine(session: nox.Session) -> None:
     ``--install-only``; then ``.nox/real-engine/bin/trio-sglang serve --engine
     sglang --model-path .nox/real-engine/tiny-llama --device cpu`` serves it).
     Then the ``real_engine`` tests (each engine in a process of its own) and
-    ``scripts/gpu_smoke.py --device cpu``, then the lifecycle checks and
-    ``serve`` (that release's own server application) again on SGLang 0.5.19's
-    whole engine (``REAL_ENGINE_OLDER``, installed as ``sglang-matrix`` installs
-    it). About 3 min to install, 8 to run.
+    ``scripts/gpu_smoke.py --device cpu``, then the lifecycle checks, ``serve``
+    (that release's own server application) and the aborts its scheduler
+    misses again on SGLang 0.5.19's whole engine (``REAL_ENGINE_OLDER``,
+    installed as ``sglang-matrix`` installs it). About 3 min to install, 10 to run.
     """
     install_sglang_cpu(session, "dynamo")
     session.install(*DYNAMO_FRONTEND_NEEDS)
