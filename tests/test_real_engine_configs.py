@@ -13,6 +13,7 @@ Marker ``real_engine``.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -59,6 +60,18 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
+def cores_per_rank(ranks: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND``: this machine's cores, one group per rank.
+
+    SGLang's CPU engine binds each rank's threads to a NUMA node, and with
+    more ranks than nodes it asks for the groups to be given.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // ranks)
+    groups = [cores[i * share : (i + 1) * share] or cores[-1:] for i in range(ranks)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
 @pytest.fixture(scope="module", params=CONFIGS)
 def server(
     request: pytest.FixtureRequest,
@@ -68,8 +81,12 @@ def server(
 ) -> Iterator[Any]:
     folder = tmp_path_factory.mktemp("config")
     flags = CONFIGS[request.param]
-    with sweep.started("trio-sglang-serve", model, folder, flags=flags) as started:
-        yield started
+    with pytest.MonkeyPatch.context() as patch:
+        if "--dp-size" in flags:
+            ranks = int(flags[flags.index("--dp-size") + 1])
+            patch.setenv("SGLANG_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
+        with sweep.started("trio-sglang-serve", model, folder, flags=flags) as started:
+            yield started
 
 
 def states(url: str) -> int:
@@ -77,6 +94,14 @@ def states(url: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     found = re.search(r"^trio_sglang_engine_live_requests (\S+)$", text, re.MULTILINE)
     return int(float(found.group(1))) if found else 0
+
+
+def test_the_configuration_serves(server: Any) -> None:
+    """So that nothing below passes on a server that fails every request."""
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+    answer = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["meta_info"]["completion_tokens"] == 8
 
 
 def test_a_client_leaving_in_each_phase_leaves_nothing_at_the_engine(

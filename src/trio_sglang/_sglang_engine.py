@@ -151,6 +151,7 @@ class SGLangEngine:
                 trio.open_nursery() as nursery,
             ):
                 self._loop = loop
+                _take_any_executor(loop)
                 await self._in_asyncio(self._start_receiving)(loop)
                 nursery.start_soon(self._poller.run)
                 try:
@@ -334,6 +335,27 @@ class SGLangEngine:
             self._orphans.sweep(registry)
             return len(registry)
         return sum(p is not RequestPhase.ABSENT for p in self._seen.values())
+
+
+def _take_any_executor(loop: Any) -> None:
+    """Let SGLang run its work on its own pools, on trio-asyncio's loop as on asyncio's.
+
+    trio-asyncio's ``run_in_executor`` takes only its own ``TrioExecutor``
+    (or ``None``), and fails an assertion on anything else. SGLang hands it
+    pools of its own: the dynamic batch tokenizer's thread
+    (``--enable-dynamic-batch-tokenizer``), multimodal processors' processes.
+    asyncio's loop submits the function to such a pool and waits on its
+    future; so does this one now.
+    """
+    own = loop.run_in_executor
+    trio_executor = _trio_asyncio().TrioExecutor
+
+    def run_in_executor(executor: Any, func: Callable[..., T], *args: Any) -> Any:
+        if executor is None or isinstance(executor, trio_executor):
+            return own(executor, func, *args)
+        return asyncio.wrap_future(executor.submit(func, *args), loop=loop)
+
+    loop.run_in_executor = run_in_executor
 
 
 async def _hold_engine(
