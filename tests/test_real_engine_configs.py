@@ -19,16 +19,15 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from _processes import wait_until
-from _readme import ROOT
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
+import _server_sweep as sweep
 from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
@@ -44,15 +43,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 #: A prompt of token ids long enough that its chunked prefill takes a while (the model
 #: takes 8,192 positions).
 LONG_PROMPT = [7] * 7000
-
-
-@pytest.fixture(scope="module")
-def sweep() -> Iterator[Any]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT / "benchmarks"))
-        import _server_sweep
-
-        yield _server_sweep
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +64,8 @@ def cores_per_rank(ranks: int) -> str:
 
 @pytest.fixture(scope="module", params=CONFIGS)
 def server(
-    request: pytest.FixtureRequest,
-    sweep: Any,
-    model: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Any]:
+    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[sweep.Server]:
     folder = tmp_path_factory.mktemp("config")
     flags = CONFIGS[request.param]
     with pytest.MonkeyPatch.context() as patch:
@@ -96,7 +83,7 @@ def states(url: str) -> int:
     return int(float(found.group(1))) if found else 0
 
 
-def test_the_configuration_serves(server: Any) -> None:
+def test_the_configuration_serves(server: sweep.Server) -> None:
     """So that nothing below passes on a server that fails every request."""
     body = {"text": "hello", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
     answer = httpx.post(f"{server.url}/generate", json=body, timeout=60)
@@ -104,9 +91,7 @@ def test_the_configuration_serves(server: Any) -> None:
     assert answer.json()["meta_info"]["completion_tokens"] == 8
 
 
-def test_a_client_leaving_in_each_phase_leaves_nothing_at_the_engine(
-    sweep: Any, server: Any
-) -> None:
+def test_a_client_leaving_in_each_phase_leaves_nothing_at_the_engine(server: sweep.Server) -> None:
     for phase in sweep.SERVER_PHASES:
         for _ in range(2):
             until_idle, _, left = sweep.watch(server, sweep.leave(server, phase))
@@ -114,7 +99,7 @@ def test_a_client_leaving_in_each_phase_leaves_nothing_at_the_engine(
             assert states(server.url) == 0, phase
 
 
-def test_a_long_prompt_left_in_its_prefill_leaves_nothing(sweep: Any, server: Any) -> None:
+def test_a_long_prompt_left_in_its_prefill_leaves_nothing(server: sweep.Server) -> None:
     body = {"input_ids": LONG_PROMPT, "sampling_params": {"max_new_tokens": 400}}
     for _ in range(2):
         until_idle, _, left = sweep.watch(server, sweep.close_after(server.url, body, 0.05, 0))
@@ -123,7 +108,7 @@ def test_a_long_prompt_left_in_its_prefill_leaves_nothing(sweep: Any, server: An
 
 
 def test_a_request_left_while_it_waits_behind_a_running_one_leaves_nothing(
-    sweep: Any, server: Any
+    server: sweep.Server,
 ) -> None:
     """With ``--max-running-requests 1`` the second waits; elsewhere both run. Either way,
     once its client leaves only the first one is held."""

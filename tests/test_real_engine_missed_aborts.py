@@ -14,30 +14,20 @@ it decodes on. Marker ``real_engine``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from _readme import ROOT
-
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
+import _processes  # noqa: F401  (puts benchmarks/ on the path)
+import missed_aborts as bench
+from _server_sweep import started, watch
 from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
 
 CANCELS = 5
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[Any]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT / "benchmarks"))
-        import missed_aborts
-
-        yield missed_aborts
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +41,8 @@ def model(folder: Path) -> Path:
 
 
 def test_serve_stops_every_request_whose_first_abort_the_scheduler_missed(
-    bench: Any, folder: Path, model: Path
+    folder: Path, model: Path
 ) -> None:
-    from _server_sweep import started, watch
-
     with started("trio-sglang-serve", model, folder, "--miss-first-abort") as server:
         runs = [watch(server, bench.leave(server)) for _ in range(CANCELS)]
         assert bench.missed(folder / "trio-sglang-serve.log") == CANCELS  # the fault took
@@ -64,10 +52,8 @@ def test_serve_stops_every_request_whose_first_abort_the_scheduler_missed(
 
 
 def test_sglangs_own_server_with_the_same_fault_leaves_the_request_decoding(
-    bench: Any, folder: Path, model: Path
+    folder: Path, model: Path
 ) -> None:
-    from _server_sweep import started, watch
-
     with started("sglang-server", model, folder, "--miss-first-abort") as server:
         until, _, still = watch(server, bench.leave(server))
     assert still, until
