@@ -333,6 +333,29 @@ async def test_an_abort_sent_again_that_raises_is_reported_with_its_error(
     assert isinstance(record.exc_info[1], ConnectionError)
 
 
+async def test_an_abort_sent_again_that_hangs_is_reported_after_abort_timeout(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    echo, recorder = SchedulerEcho(), Recorder()
+
+    class Stuck(Ears):
+        async def abort_again(self, rid: str) -> None:
+            await trio.sleep_forever()  # the scheduler's socket is full
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outputs, echo, 1.0)
+        await confirm_abort(
+            Stuck(echo), ts.AbortPolicy(), Reports(recorder), "pub", "rid-1", echo, lambda: True
+        )
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() == 3.0 + ts.AbortPolicy().abort_timeout
+    assert recorder.faults == ["abort_timeout"]
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "engine fault abort_timeout: request pub (rids rid-1): sending it again took over 1.0s"
+    )
+
+
 def test_an_engine_that_does_not_hear_has_no_echo_and_sends_nothing_again() -> None:
     assert DEAF.echo("rid-1") is None
     DEAF.forget_echo("rid-1")

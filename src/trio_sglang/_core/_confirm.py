@@ -83,12 +83,20 @@ async def confirm_abort(
                 f"({echo.outputs} outputs since the first)",
             )
             return
-        with trio.move_on_after(policy.abort_timeout):
+        with trio.move_on_after(policy.abort_timeout) as call:
             try:
                 await engine.abort_again(rid)
             except Exception as exc:
                 reports.fault("abort_error", public_id, [rid], "sending it again raised", error=exc)
                 return
+        if call.cancelled_caught:
+            reports.fault(
+                "abort_timeout",
+                public_id,
+                [rid],
+                f"sending it again took over {policy.abort_timeout}s",
+            )
+            return
         sent += 1
         since = echo.outputs
     if sent > 1:
