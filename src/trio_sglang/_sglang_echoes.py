@@ -22,7 +22,7 @@ once-only flag: straight to the scheduler's socket.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,7 +48,8 @@ def hearing_scheduler(tm: Any, echoes: Echoes) -> Iterator[bool]:
     def aborting(*args: Any, **kwargs: Any) -> Any:
         rid = kwargs.get("rid", args[0] if args else "")
         everything = kwargs.get("abort_all", args[1] if len(args) > 1 else False)
-        state = None if everything else tm.rid_to_state.get(rid)
+        registry = getattr(tm, "rid_to_state", None)
+        state = registry.get(rid) if isinstance(registry, Mapping) and not everything else None
         first = state is not None and not getattr(state, "abort_sent", False)
         result = abort_request(*args, **kwargs)
         if first:
@@ -56,14 +57,16 @@ def hearing_scheduler(tm: Any, echoes: Echoes) -> Iterator[bool]:
         return result
 
     async def outputs(recv_obj: Any) -> Any:
+        # Never raises: an error here would end SGLang's receive loop, and its process tree.
         if echoes:
-            for rid, reason in zip(recv_obj.rids, recv_obj.finished_reasons, strict=False):
-                echoes.heard(rid, finished=reason is not None)
+            reasons = getattr(recv_obj, "finished_reasons", None) or ()
+            for i, rid in enumerate(getattr(recv_obj, "rids", None) or ()):
+                echoes.heard(rid, finished=i < len(reasons) and reasons[i] is not None)
         return await handle_batch_output(recv_obj)
 
     def results(recv_obj: Any) -> Any:
         if echoes and type(recv_obj).__name__ == "AbortReq":
-            echoes.heard(recv_obj.rid, finished=True)
+            echoes.heard(getattr(recv_obj, "rid", ""), finished=True)
         return result_dispatcher(recv_obj)
 
     for name, wrapper in zip(_WRAPPED, (aborting, outputs, results), strict=True):
