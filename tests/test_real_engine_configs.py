@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,5 +137,4 @@ def _stream(url: str, tokens: int) -> socket.socket:
         f"Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
-    time.sleep(0.05)
     return client
