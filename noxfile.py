@@ -103,6 +103,10 @@ MATRIX_RELEASES: dict[str, tuple[str, ...]] = {
     "0.5.21": (),
     "0.5.23": (),
 }
+#: Mooncake's KV transfer engine built without CUDA: a prefill/decode pair over TCP.
+MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+#: Debian's packages of the shared libraries it links to.
+MOONCAKE_LIBRARIES = ("libibverbs1", "libnl-3-200", "libnl-route-3-200")
 #: Releases older than trio-sglang's minimum (0.5.10), on which ``sglang-matrix`` checks
 #: only that they are refused at start.
 MATRIX_REFUSED: dict[str, tuple[str, ...]] = {"0.5.9": ()}
@@ -198,14 +202,17 @@ def real_engine(session: nox.Session) -> None:
     ``scripts/gpu_smoke.py --device cpu``, then the lifecycle checks, ``serve``
     (that release's own server application) and the aborts its scheduler
     misses again on SGLang 0.5.19's whole engine (``REAL_ENGINE_OLDER``,
-    installed as ``sglang-matrix`` installs it). About 3 min to install, 10 to run.
+    installed as ``sglang-matrix`` installs it). A real prefill/decode pair runs
+    over Mooncake's TCP transport (``_install_mooncake``). About 3 min to
+    install, 12 to run.
     """
     install_sglang_cpu(session, "dynamo")
     session.install(*DYNAMO_FRONTEND_NEEDS)
+    libraries = _install_mooncake(session)
     model = Path(session.virtualenv.location) / "tiny-llama"
     build = "import sys; from trio_sglang_harness import build_tiny_model as b; b(sys.argv[1])"
     session.run_install("python", "-c", build, str(model))
-    session.run("pytest", "-m", "real_engine", *session.posargs)
+    session.run("pytest", "-m", "real_engine", *session.posargs, env={"LD_LIBRARY_PATH": libraries})
     session.run("python", "scripts/gpu_smoke.py", "--model-path", str(model), "--device", "cpu")
     # The same lifecycle checks on an older release's whole engine, whose close forgets
     # a dispatched request instead of aborting it.
@@ -221,6 +228,30 @@ def real_engine(session: nox.Session) -> None:
         "tests/test_real_engine_missed_aborts.py",
         env={"PYTHONPATH": str(older)},
     )
+
+
+def _install_mooncake(session: nox.Session) -> str:
+    """Mooncake's KV transfer without CUDA, for a real prefill/decode pair over TCP.
+
+    Its wheel links to ``libibverbs`` (RDMA, unused over TCP), which Debian's
+    packages bring: they are unpacked into the session's folder, no root
+    needed. Returns the folders to put on ``LD_LIBRARY_PATH``.
+    """
+    session.install("--no-deps", MOONCAKE)
+    root = Path(session.virtualenv.location) / "sysroot"
+    debs = root.with_name("debs")
+    if not any(root.rglob("libibverbs.so.1")):
+        shutil.rmtree(debs, ignore_errors=True)
+        debs.mkdir(parents=True)
+        names = " ".join(MOONCAKE_LIBRARIES)
+        with session.chdir(debs):
+            # The package lists may be missing on a fresh machine.
+            download = f"apt-get download {names}"
+            download = f"{download} || (apt-get update -qq && {download})"
+            session.run_install("bash", "-c", download, external=True)
+        for deb in sorted(debs.glob("*.deb")):
+            session.run_install("dpkg-deb", "-x", str(deb), str(root), external=True)
+    return os.pathsep.join(sorted({str(lib.parent) for lib in root.rglob("*.so.*")}))
 
 
 @nox.session

@@ -14,7 +14,9 @@ that a client can leave during a slow tokenization as in the harness's phases:
 a prompt that starts with ``SLOW_PROMPT`` is tokenized ``--slow-tokenize``
 seconds late, in SGLang's own TokenizerManager. With ``--miss-first-abort``,
 one more: SGLang's scheduler misses the first abort of every request
-(``_missed_aborts.py``), for both servers alike.
+(``_missed_aborts.py``), for both servers alike. And for a prefill/decode
+pair over Mooncake, its KV sender takes the plain path a CPU can run
+(``_cpu_kv_transfer.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import sys
 from typing import Any
 
+import _cpu_kv_transfer
 from _missed_aborts import MISS_FIRST_ABORT, install
 from trio_sglang._sglang_cpu import CPU_DEFAULTS, prepare_cpu_engine
 
@@ -35,6 +38,7 @@ SLOW_PROMPT = "slowly: "
 
 # Here too in SGLang's scheduler process, whose spawn imports this script again.
 install()
+_cpu_kv_transfer.install()
 
 
 def cpu_flags() -> list[str]:

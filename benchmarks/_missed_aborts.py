@@ -8,23 +8,19 @@ request's first abort pass it by (and says so on its standard error), and takes 
 From 0.5.20 SGLang's TokenizerManager sends one abort per request, so a
 server that relies on it leaves every cancelled request decoding to its end.
 
-``install()`` patches the scheduler's class as its module is imported, in a
-process whose environment has ``MISS_FIRST_ABORT`` set. SGLang's scheduler
-is a process of its own, started by ``multiprocessing``'s spawn, which
-imports the parent's main script again (``_http_servers_cpu.py``, which
-calls ``install()`` at import) and inherits its environment.
+``install()`` patches the scheduler's class as its module is imported
+(``_patch_on_load.py``), in a process whose environment has
+``MISS_FIRST_ABORT`` set: SGLang's scheduler process inherits it.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
-from collections.abc import Sequence
-from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
+
+from _patch_on_load import patch_on_load
 
 __all__ = ["MISSED", "MISS_FIRST_ABORT", "install"]
 
@@ -40,32 +36,7 @@ def install() -> None:
     """Patch SGLang's scheduler when it loads, if ``MISS_FIRST_ABORT`` is set; idempotent."""
     if not os.environ.get(MISS_FIRST_ABORT):
         return
-    if _MODULE in sys.modules:
-        _miss_first_aborts(sys.modules[_MODULE])
-    elif not any(isinstance(finder, _PatchOnLoad) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnLoad())
-
-
-class _PatchOnLoad(importlib.abc.MetaPathFinder):
-    """Finds the scheduler's module as the path finder does, and patches it once it ran."""
-
-    def find_spec(
-        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> ModuleSpec | None:
-        if name != _MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader: Any = spec.loader
-        run = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            _miss_first_aborts(module)
-
-        loader.exec_module = exec_module
-        return spec
+    patch_on_load(_MODULE, _miss_first_aborts)
 
 
 def _miss_first_aborts(module: ModuleType) -> None:

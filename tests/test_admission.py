@@ -523,3 +523,21 @@ async def test_the_prefill_peers_bootstrap_address_is_allowed() -> None:
     aggregated = Admission(ServerLimits(), ServerMetrics(), context_length=None, decode=False)
     anywhere = {**body, "bootstrap_host": "10.0.0.1"}
     aggregated.check_request("/generate", anywhere, anywhere)
+
+
+def test_the_engines_no_transfer_host_passes_and_only_it() -> None:
+    """SGLang's health check and warm-up send its fake bootstrap host to a decode server:
+    the engine fakes the KV cache and connects nowhere, so the allow-list does not apply."""
+    admission = Admission(
+        ServerLimits(),
+        ServerMetrics(),
+        context_length=None,
+        decode=True,
+        no_transfer_host="2.2.2.2",
+    )
+    fake = {**GENERATE, "bootstrap_host": "2.2.2.2", "bootstrap_room": 0}
+    admission.check_request("/generate", fake, fake)
+    for wrong in ({"bootstrap_host": "2.2.2.3"}, {"bootstrap_host": ["2.2.2.2", "10.0.0.1"]}):
+        with pytest.raises(Refused) as refusal:
+            admission.check_request("/generate", {**fake, **wrong}, {**fake, **wrong})
+        assert refusal.value.param == "bootstrap_host"

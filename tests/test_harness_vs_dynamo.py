@@ -73,31 +73,43 @@ def test_trio_sglang_loses_nothing_and_sends_nothing_it_cancelled(run: dict[str,
             assert cell["sent_to_scheduler"] == 0, phase  # released before dispatch
 
 
+def timer_expired(cell: dict[str, Any]) -> int:
+    """How many of Dynamo's aborts in ``cell`` went out when its 0.25 s dispatch wait ran out.
+
+    Such an abort reaches SGLang before the dispatch: 0.5.17 keeps it (the
+    request is never sent), later releases drop it (lost). In a slow
+    tokenization that is every abort; in a 50 ms one only where a busy machine
+    stretched the tokenization past the wait. The counts that follow from it
+    are Dynamo's code either way, so each is checked against this number.
+    """
+    if EARLY_ABORT_KEPT:
+        return int(cell["cancels"] - cell["sent_to_scheduler"])
+    return int(cell["aborts_lost"])
+
+
 def test_dynamo_loses_every_abort_in_a_slow_tokenization(run: dict[str, Any]) -> None:
     from _harness_sweep import MAX_NEW_TOKENS
 
     dynamo = rows(run, "dynamo-1.6")
     slow = dynamo["slow_tokenization"]
-    if EARLY_ABORT_KEPT:
-        # The abort goes out at the end of the 0.25 s dispatch wait, before dispatch,
-        # and 0.5.17 keeps it: the request is never sent (its stream raises).
-        assert (slow["sent_to_scheduler"], slow["aborts_lost"], slow["not_stopped"]) == (0, 0, 0)
-    else:
-        # The abort goes out at the end of the 0.25 s dispatch wait, before dispatch: lost.
-        assert slow["aborts_lost"] == slow["cancels"]
+    assert timer_expired(slow) == slow["cancels"]
     if DEDUPES_ABORTS:
         # SGLang then drops Dynamo's retries: the request decodes to its end for nobody.
-        assert slow["not_stopped"] == slow["cancels"]
         assert slow["wasted_tokens"]["p50"] == slow["wasted_tokens"]["max"] == MAX_NEW_TOKENS
-    else:
-        # Before 0.5.20 nothing drops a repeated abort, and a retry stops the request.
-        assert slow["not_stopped"] == 0
     for phase, cell in dynamo.items():
-        if phase in BEFORE_DISPATCH and not (EARLY_ABORT_KEPT and phase == "slow_tokenization"):
-            # What was cancelled before it reached the scheduler is sent there all the same.
-            assert cell["sent_to_scheduler"] == cell["cancels"], phase
-        if phase != "slow_tokenization":
+        expired = timer_expired(cell) if phase in BEFORE_DISPATCH else 0
+        if phase not in BEFORE_DISPATCH:
+            assert cell["aborts_lost"] == 0, phase  # no timer: it waited for the dispatch
+        if EARLY_ABORT_KEPT:
+            # 0.5.17 keeps an abort that comes before the dispatch: never sent, nothing lost.
             assert (cell["aborts_lost"], cell["not_stopped"]) == (0, 0), phase
+        else:
+            # What was cancelled before it reached the scheduler is sent there all the same.
+            if phase in BEFORE_DISPATCH:
+                assert cell["sent_to_scheduler"] == cell["cancels"], phase
+            # Before 0.5.20 nothing drops a repeated abort, and a retry stops the request;
+            # from 0.5.20 the retries are dropped and it decodes to its end.
+            assert cell["not_stopped"] == (expired if DEDUPES_ABORTS else 0), phase
         if QUEUED_ABORT_FORGETS:
             assert cell["leaked"] == 0, phase  # every request ended, stopped or not
         else:
@@ -114,6 +126,9 @@ def test_the_sim_model_agrees_with_dynamos_code_in_every_count(run: dict[str, An
 
     model, real = rows(run, "poll-then-abort"), rows(run, "dynamo-1.6")
     for phase, cell in real.items():
+        timed = phase in BEFORE_DISPATCH and phase != "slow_tokenization"
+        if timed and (timer_expired(model[phase]) or timer_expired(cell)):
+            continue  # a busy machine ran one of them down Dynamo's slow path, not both
         assert {key: model[phase][key] for key in COUNTS} == {key: cell[key] for key in COUNTS}
         assert model[phase]["wasted_tokens"]["p50"] == cell["wasted_tokens"]["p50"], phase
     assert {check["phase"] for check in run["model_check"]} == set(real)

@@ -38,6 +38,7 @@ class HostedStandIn:
     """What SGLang's ``/generate`` does with the exchange: one request, its outputs as SSE."""
 
     keeps_metrics = True
+    no_transfer_host = None
 
     def __init__(self) -> None:
         self.feeds: list[Any] = []

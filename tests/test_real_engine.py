@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
+from trio_sglang._sglang_semantics import engine_keeps_a_tokenizer
 from trio_sglang_harness import Observation, Scenario, open_sglang_harness
 
 pytestmark = pytest.mark.real_engine
@@ -93,11 +94,23 @@ def left_nothing(name: str, seen: Observation) -> list[str]:
     return problems
 
 
-async def test_every_cancel_phase_stops_the_real_scheduler(workdir: Path) -> None:
+@pytest.mark.parametrize("tokenizer_workers", [1, 2])
+async def test_every_cancel_phase_stops_the_real_scheduler(
+    workdir: Path, tokenizer_workers: int
+) -> None:
+    """With ``tokenizer_worker_num`` 2 the worker drives the Engine's own tokenizer worker,
+    and SGLang's router stands between it and the scheduler."""
+    if tokenizer_workers > 1 and not engine_keeps_a_tokenizer():
+        pytest.skip("this SGLang's Engine keeps no tokenizer of its own: refused at start")
     problems: list[str] = []
     from sglang.version import __version__
 
-    async with open_sglang_harness(workdir=workdir, real_engine=True) as harness:
+    async with open_sglang_harness(
+        workdir=workdir, real_engine=True, tokenizer_workers=tokenizer_workers
+    ) as harness:
+        assert harness.tokenizer_manager == (
+            "TokenizerManager" if tokenizer_workers == 1 else "TokenizerWorker"
+        )
         assert harness.capabilities["engine"]["kind"] == "sglang"
         # The release installed here (``nox -s sglang-matrix``'s folders run older ones).
         assert harness.capabilities["engine"]["sglang_version"] == __version__

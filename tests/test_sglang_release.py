@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,7 +30,12 @@ with warnings.catch_warnings():
 from trio_sglang import EngineFeatures, InvalidRequest, SGLangEngine, UnsupportedSGLang
 from trio_sglang._fields import check_honoured
 from trio_sglang._sglang_fields_taken import fields_taken
-from trio_sglang._sglang_semantics import MINIMUM_RELEASE, detect_semantics, require_supported
+from trio_sglang._sglang_semantics import (
+    MINIMUM_RELEASE,
+    detect_semantics,
+    engine_keeps_a_tokenizer,
+    require_supported,
+)
 from trio_sglang_harness import Scenario, open_sglang_harness
 
 pytestmark = pytest.mark.sglang
@@ -169,3 +175,28 @@ async def test_the_real_tokenizer_manager_takes_every_field_the_lifecycle_passes
     assert seen.scheduler == [["request"]]
     assert seen.registered_after == 0
     assert seen.finish_reasons[-1] == "length"
+
+
+async def test_an_engine_whose_tokenizer_manager_is_a_router_is_refused_in_one_line() -> None:
+    """An Engine with ``tokenizer_worker_num`` above 1 holds only a router on older releases."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from sglang.srt.managers.multi_tokenizer_mixin import MultiTokenizerRouter
+
+    router = MultiTokenizerRouter.__new__(MultiTokenizerRouter)  # SGLang's class, never started
+    engine = SGLangEngine(engine=SimpleNamespace(tokenizer_manager=router))
+    with pytest.raises(ValueError, match="is a MultiTokenizerRouter, which generates nothing"):
+        async with engine.running():
+            pytest.fail("an engine whose requests go to a router ran")
+
+
+async def test_several_tokenizer_workers_are_refused_where_the_engine_keeps_no_tokenizer() -> None:
+    if engine_keeps_a_tokenizer():
+        pytest.skip(f"SGLang {__version__}'s Engine keeps one: test_real_engine.py drives it")
+    engine = SGLangEngine(model_path="no-model-loads", tokenizer_worker_num=2)
+    with pytest.raises(ValueError, match="keeps no tokenizer") as refused:
+        async with engine.running():
+            pytest.fail("a model loaded for an engine that cannot serve it")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"tokenizer_worker_num=2: the Engine of SGLang {__version__} ")

@@ -37,6 +37,10 @@ class HostedApp(Protocol):
     #: Whether it keeps any (SGLang's: with ``--enable-metrics``); ``metrics`` reads
     #: files, so ``/metrics`` calls it, in a thread, only then.
     keeps_metrics: bool
+    #: A ``bootstrap_host`` that names no prefill server (SGLang's fake one): a decode
+    #: engine given it fakes the KV cache and connects nowhere. SGLang's own health
+    #: check and warm-up send it; ``None``: the engine has none.
+    no_transfer_host: str | None
 
     async def __call__(
         self,

@@ -100,7 +100,9 @@ async def hosted_sglang_app(
     lifespan = app.router.lifespan_context(app)
     await in_asyncio(lifespan.__aenter__)()
     try:
-        yield _SGLangApp(in_asyncio(app), bool(tm.server_args.enable_metrics))
+        yield _SGLangApp(
+            in_asyncio(app), bool(tm.server_args.enable_metrics), http_server.FAKE_BOOTSTRAP_HOST
+        )
     finally:
         # SGLang's lifespan joins the warm-up thread, blocking: by now the server has
         # stopped listening, so a warm-up request in flight has failed, and one not
@@ -113,9 +115,12 @@ async def hosted_sglang_app(
 class _SGLangApp:
     """SGLang's ``app`` as a trio ASGI application, and its ``sglang:*`` metrics."""
 
-    def __init__(self, run_app: Callable[..., Any], enable_metrics: bool) -> None:
+    def __init__(
+        self, run_app: Callable[..., Any], enable_metrics: bool, no_transfer_host: str
+    ) -> None:
         self._run_app = run_app
         self.keeps_metrics = enable_metrics
+        self.no_transfer_host: str | None = no_transfer_host
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # SGLang's app runs on asyncio, and calls back into trio for the connection.
@@ -180,19 +185,29 @@ def _warm_up_at(
     and reports healthy only after it (``/health`` is 503 until then). Its own
     warm-up (``_execute_server_warmup``) also kills the whole process tree
     when the request fails, which an embedding program must not meet; this
-    sends SGLang's request and marks the server unhealthy instead. The wait
-    for the URL ends when the server stops.
+    sends SGLang's request and marks the server unhealthy instead; for a
+    prefill or decode server, SGLang's disaggregation warm-up request, whose
+    fake bootstrap host makes the engine skip the KV transfer. The wait for
+    the URL ends when the server stops.
     """
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.managers.tokenizer_manager import ServerStatus
 
     def warm_up(server_args: Any) -> bool:
         while (url := served_at()) is None:
             if stopping.wait(0.05):
                 return False
-        body = {
+        body: dict[str, Any] = {
             "text": "The capital city of France is",
             "sampling_params": {"temperature": 0, "max_new_tokens": 8},
         }
+        if server_args.disaggregation_mode in ("prefill", "decode"):
+            body = {
+                "input_ids": [10, 11, 12, 13],
+                "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+                "bootstrap_host": FAKE_BOOTSTRAP_HOST,
+                "bootstrap_room": 0,
+            }
         headers = {"Content-Type": "application/json"}
         if server_args.api_key:
             headers["Authorization"] = f"Bearer {server_args.api_key}"

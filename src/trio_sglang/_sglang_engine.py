@@ -54,7 +54,12 @@ from ._sglang_cpu import prepare_cpu_engine, with_cpu_defaults
 from ._sglang_echoes import hearing_scheduler, send_abort
 from ._sglang_fields_taken import fields_taken
 from ._sglang_release import Orphans, abort_dispatched, dispatched, forget_leftovers, states_of
-from ._sglang_semantics import SGLangSemantics, detect_semantics, require_supported
+from ._sglang_semantics import (
+    SGLangSemantics,
+    detect_semantics,
+    engine_keeps_a_tokenizer,
+    require_supported,
+)
 
 __all__ = ["SGLangEngine"]
 
@@ -143,6 +148,7 @@ class SGLangEngine:
             # their tokenizer_manager module is imported, which trio-asyncio refuses here.
             self._detected = await trio.to_thread.run_sync(detect_semantics)
         require_supported(self._detected)  # before a model loads for nothing
+        await self._require_a_tokenizer_here()
         self._running = True
         try:
             async with (
@@ -162,6 +168,29 @@ class SGLangEngine:
         finally:
             self._running = False
             self._loop = None
+
+    async def _require_a_tokenizer_here(self) -> None:
+        """Refuse, in one line, an engine whose requests would go to a router that generates none.
+
+        That is an Engine with ``tokenizer_worker_num`` above 1 on releases
+        whose Engine keeps no tokenizer of its own (``engine_keeps_a_tokenizer``);
+        on newer ones the worker drives the tokenizer the Engine keeps.
+        """
+        workers = self._server_args.get("tokenizer_worker_num", 1)
+        if workers != 1 and not await trio.to_thread.run_sync(engine_keeps_a_tokenizer):
+            raise ValueError(
+                f"tokenizer_worker_num={workers!r}: the Engine of SGLang "
+                f"{self._detected.version if self._detected else '?'} keeps no tokenizer in its "
+                "own process, only a router to other processes' (newer releases keep one); "
+                "leave tokenizer_worker_num at 1"
+            )
+        given = self._tm if self._engine is None else self._engine.tokenizer_manager
+        if given is not None and not callable(getattr(given, "generate_request", None)):
+            raise ValueError(
+                f"the engine's tokenizer_manager is a {type(given).__name__}, which generates "
+                "nothing (an Engine with tokenizer_worker_num above 1 on an older SGLang?): "
+                "give one whose tokenizer_manager is a TokenizerManager"
+            )
 
     @asynccontextmanager
     async def _launched(self) -> AsyncIterator[None]:
@@ -231,7 +260,12 @@ class SGLangEngine:
 
     def features(self) -> EngineFeatures:
         semantics = self.semantics
-        mode = getattr(getattr(self._tm, "server_args", None), "disaggregation_mode", None)
+        # Asked before the engine runs too (``open_worker`` checks a decode worker's role).
+        if self._tm is not None or self._engine is not None:
+            holder = self._tm if self._tm is not None else self._engine
+            mode = getattr(getattr(holder, "server_args", None), "disaggregation_mode", None)
+        else:
+            mode = self._server_args.get("disaggregation_mode")
         # The model's context length, which the tokenizer manager checks every request against.
         context_len = getattr(self._tm, "context_len", None)
         return EngineFeatures(

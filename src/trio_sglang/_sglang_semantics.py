@@ -21,6 +21,7 @@ import inspect
 import re
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "SGLangSemantics",
     "UnsupportedSGLang",
     "detect_semantics",
+    "engine_keeps_a_tokenizer",
     "require_supported",
 ]
 
@@ -160,6 +162,36 @@ def require_supported(semantics: SGLangSemantics) -> None:
             f"SGLang {version} is older than the oldest release trio-sglang is tested on; "
             f"trio-sglang needs SGLang >= {MINIMUM_RELEASE}"
         )
+
+
+def engine_keeps_a_tokenizer() -> bool:
+    """Whether ``sglang.Engine`` with ``tokenizer_worker_num`` above 1 keeps a tokenizer here.
+
+    Such an Engine puts a router between its tokenizer workers and the
+    scheduler. Newer ones also give their own process a worker, and the
+    ``attach_tokenizer_worker`` that lets other processes join; older ones
+    keep the router alone, which generates nothing. Read from the engine
+    module's source, not imported: importing it sets uvloop's event loop policy.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang.srt.entrypoints.engine")
+    if spec is None or spec.origin is None:
+        return False
+    try:
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    return any(
+        isinstance(node, ast.ClassDef)
+        and node.name == "Engine"
+        and any(
+            isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+            and item.name == "attach_tokenizer_worker"
+            for item in node.body
+        )
+        for node in tree.body
+    )
 
 
 def _version() -> str | None:

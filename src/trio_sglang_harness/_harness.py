@@ -27,11 +27,13 @@ Caller = Literal["trio-sglang", "dynamo-1.6"]
 class SGLangHarness:
     """A running harness: send it scenarios, get back what happened."""
 
-    def __init__(self, process: trio.Process, lines: _Lines, capabilities: dict[str, Any]) -> None:
+    def __init__(self, process: trio.Process, lines: _Lines, ready: dict[str, Any]) -> None:
         self._process = process
         self._lines = lines
         #: The worker's capabilities over the real TokenizerManager.
-        self.capabilities = capabilities
+        self.capabilities: dict[str, Any] = ready["capabilities"]
+        #: The class of the engine's TokenizerManager (``TokenizerWorker`` with several).
+        self.tokenizer_manager: str = ready["tokenizer_manager"]
 
     async def run(self, scenario: Scenario, caller: Caller = "trio-sglang") -> Observation:
         """Run one scenario in the host process (bound it with a cancel scope).
@@ -94,6 +96,7 @@ async def open_sglang_harness(
     chat_template: str | None = None,
     dynamo: bool = False,
     real_engine: bool = False,
+    tokenizer_workers: int = 1,
     start_timeout: float = 300.0,
 ) -> AsyncIterator[SGLangHarness]:
     """Start the host process (real TokenizerManager, stand-in scheduler) and stop it after.
@@ -110,7 +113,9 @@ async def open_sglang_harness(
     ``real_engine`` runs the whole ``sglang.Engine`` on the CPU instead of the
     stand-in scheduler (its own timing: the two delays do not apply); each
     observation then also says what the scheduler still held
-    (``Observation.scheduler_held_after``).
+    (``Observation.scheduler_held_after``). ``tokenizer_workers`` is its
+    ``tokenizer_worker_num``: above 1, SGLang routes between tokenizer workers,
+    and the worker drives the one in the host.
     """
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(scratch) if workdir is None else workdir
@@ -130,6 +135,7 @@ async def open_sglang_harness(
                 *(() if chat_template is None else ("--chat-template", chat_template)),
                 *(("--dynamo",) if dynamo else ()),
                 *(("--real-engine",) if real_engine else ()),
+                *(("--tokenizer-workers", str(tokenizer_workers)) if real_engine else ()),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -138,7 +144,7 @@ async def open_sglang_harness(
             lines = _Lines(process)
             with trio.fail_after(start_timeout):
                 ready = await lines.answer()
-            harness = SGLangHarness(process, lines, ready["capabilities"])
+            harness = SGLangHarness(process, lines, ready)
             yield harness
             await harness._send({"op": "quit"})
             with trio.move_on_after(20, shield=True):

@@ -232,7 +232,13 @@ async def _serve(
             return {"observation": seen.to_json()}
 
         async with _maybe_dynamo(tm, dynamo) as handler:
-            _answer({"ready": True, "capabilities": worker.capabilities()})
+            _answer(
+                {
+                    "ready": True,
+                    "capabilities": worker.capabilities(),
+                    "tokenizer_manager": type(tm).__name__,
+                }
+            )
             while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
                 command = json.loads(line)
                 if command["op"] == "quit":
@@ -270,8 +276,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the whole sglang.Engine on the CPU instead of the stand-in scheduler",
     )
+    parser.add_argument(
+        "--tokenizer-workers", type=int, default=1, help="the real engine's tokenizer_worker_num"
+    )
     args = parser.parse_args(argv)
     if args.real_engine:
+        several = args.tokenizer_workers > 1
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is local
         engine = SGLangEngine(
             model_path=str(build_tiny_model(args.workdir / "tiny-llama")),
@@ -279,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             incremental_streaming_output=True,
             log_level="warning",
             chat_template=args.chat_template,
+            **({"tokenizer_worker_num": args.tokenizer_workers} if several else {}),
         )
         trio.run(_serve, engine, _real_view, None, args.dynamo)
         return

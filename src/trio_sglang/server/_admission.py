@@ -69,6 +69,7 @@ class Admission:
         context_length: int | None,
         decode: bool,
         prefill: PrefillPeer | None = None,
+        no_transfer_host: str | None = None,
     ) -> None:
         self.limits = limits
         self.metrics = metrics
@@ -83,6 +84,8 @@ class Admission:
             self._bootstrap = [_entry(host) for host in limits.allowed_bootstrap_hosts]
             if prefill is not None:
                 self._bootstrap.append((_bare(prefill.bootstrap_host), prefill.bootstrap_port))
+        #: Names no prefill server: the engine fakes the KV cache (``HostedApp.no_transfer_host``).
+        self._no_transfer_host = no_transfer_host
 
     def _refuse(self, reason: RefusalReason, status: int, message: str, **details: Any) -> Refused:
         self.metrics.refused(reason)
@@ -231,6 +234,8 @@ class Admission:
             else ((host, port) for host in host_list for port in port_list)
         )
         for host, port in pairs:
+            if host is not None and host == self._no_transfer_host:
+                continue  # no connection is made
             if not (isinstance(host, str) and (port is None or _is_int(port))):
                 allowed = False
             # As the decode engine will build its URL: a bracketed or otherwise

@@ -92,6 +92,7 @@ class ServerApp:
             context_length=worker.features.context_length,
             decode=worker.role == "decode",
             prefill=prefill,
+            no_transfer_host=None if hosted is None else hosted.no_transfer_host,
         )
         self.created = int(time.time())
         #: What renders chat messages: the engine, if it knows its model's chat template.
