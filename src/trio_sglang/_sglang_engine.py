@@ -158,6 +158,7 @@ class SGLangEngine:
             ):
                 self._loop = loop
                 _take_any_executor(loop)
+                _log_errors_nobody_awaits(loop)
                 await self._in_asyncio(self._start_receiving)(loop)
                 nursery.start_soon(self._poller.run)
                 try:
@@ -390,6 +391,18 @@ def _take_any_executor(loop: Any) -> None:
         return asyncio.wrap_future(executor.submit(func, *args), loop=loop)
 
     loop.run_in_executor = run_in_executor
+
+
+def _log_errors_nobody_awaits(loop: Any) -> None:
+    """Log what an asyncio task nobody awaits raised, as asyncio's loop does, and go on.
+
+    trio-asyncio's loop also raises it into its own nursery, which ends the
+    loop, and the engine and ``serve`` with it. SGLang starts tasks that
+    nobody awaits (its ``/health`` check sends its request from one), and
+    counts on the loop only logging what they raise, as its own server's
+    does; what is fatal to SGLang ends its processes by itself.
+    """
+    loop.set_exception_handler(asyncio.BaseEventLoop.default_exception_handler)
 
 
 async def _hold_engine(
