@@ -200,3 +200,11 @@ async def test_several_tokenizer_workers_are_refused_where_the_engine_keeps_no_t
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(f"tokenizer_worker_num=2: the Engine of SGLang {__version__} ")
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "null"])
+def test_the_role_is_known_before_the_engine_runs(mode: str) -> None:
+    """``open_worker`` asks a decode worker's engine its role before starting it: a decode
+    ``serve --engine sglang --prefill-url ...`` once failed to start on this."""
+    engine = SGLangEngine(model_path="no-model-loads", disaggregation_mode=mode)
+    assert engine.features().disaggregation_mode == (None if mode == "null" else mode)
