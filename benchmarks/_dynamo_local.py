@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -42,10 +42,13 @@ def local_env(discovery: Path) -> dict[str, str]:
 class Deployment:
     """Dynamo's frontend on ``port`` and the workers started with ``start_worker``."""
 
-    def __init__(self, folder: Path, *, python: str = sys.executable) -> None:
+    def __init__(
+        self, folder: Path, *, python: str = sys.executable, env: Mapping[str, str] | None = None
+    ) -> None:
+        """``env``: the processes' environment (default: ``local_env``, file discovery)."""
         self.folder = folder
         self.python = python
-        self.env = local_env(folder / "discovery")
+        self.env = local_env(folder / "discovery") if env is None else dict(env)
         (folder / "discovery").mkdir(parents=True, exist_ok=True)
         self.processes: list[Process] = []
         self.url = ""

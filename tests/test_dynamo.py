@@ -31,6 +31,7 @@ from urllib.parse import unquote
 import httpx
 import pytest
 
+from _dynamo_workers import Worker, start_worker, wait_for
 from _readme import ROOT, readme_block
 
 pytest.importorskip("dynamo.runtime", reason="needs the dynamo extra (nox -s dynamo)")
@@ -40,9 +41,6 @@ BENCHMARKS = ROOT / "benchmarks"
 pytestmark = pytest.mark.dynamo
 
 WORKER = (sys.executable, "-m", "trio_sglang", "dynamo-worker")
-
-#: Generous: a request nobody stopped runs for tens of seconds here.
-RELEASE_BOUND = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -61,43 +59,6 @@ def local() -> Iterator[Any]:
         )
 
 
-class Worker:
-    """One worker process and its metrics URL."""
-
-    def __init__(self, process: Any, metrics_port: int, model: str) -> None:
-        self.process = process
-        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.model = model
-
-    def sample(self, name: str, **labels: str) -> float:
-        """The value of one series in the worker's metrics (0 if absent)."""
-        text = httpx.get(self.metrics, timeout=5).text
-        wanted = ",".join(f'{key}="{value}"' for key, value in labels.items())
-        series = f"{name}{{{wanted}}}" if labels else name
-        for line in text.splitlines():
-            if line.startswith(series + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def live(self) -> float:
-        return self.sample("trio_sglang_engine_live_requests")
-
-    def events(self, kind: str) -> float:
-        return self.sample("trio_sglang_sim_events_total", kind=kind)
-
-    def outcomes(self, outcome: str) -> float:
-        return self.sample("trio_sglang_requests_total", endpoint="dynamo", outcome=outcome)
-
-
-def start_worker(
-    deployment: Any, local: Any, model: str, *args: str, name: str | None = None
-) -> Worker:
-    port = local.free_port()
-    command = deployment.trio_worker_command(model, port, *args)
-    process = deployment.start_worker(name or model, command, model)
-    return Worker(process, port, model)
-
-
 @pytest.fixture(scope="module")
 def deployment(local: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with local.Deployment(tmp_path_factory.mktemp("dynamo")) as running:
@@ -106,23 +67,13 @@ def deployment(local: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module", params=["guest", "trio-asyncio"])
-def worker(request: pytest.FixtureRequest, deployment: Any, local: Any) -> Iterator[Worker]:
+def worker(request: pytest.FixtureRequest, deployment: Any) -> Iterator[Worker]:
     """A SimEngine worker at 10 ms a token, on each host in turn."""
     host = request.param
     model = f"sim-{host}"
-    started = start_worker(deployment, local, model, "--loop", host, "--sim-token-interval", "0.01")
+    started = start_worker(deployment, model, "--loop", host, "--sim-token-interval", "0.01")
     yield started
     started.process.stop()
-
-
-def wait_for(what: str, ready: Any, timeout: float = RELEASE_BOUND) -> float:
-    """Seconds until ``ready()``; fails past ``timeout``."""
-    start = time.monotonic()
-    while not ready():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not {what} within {timeout} s")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def sse_events(lines: list[str]) -> list[dict[str, Any]]:
@@ -255,11 +206,10 @@ def stream_then_leave(
 
 
 def test_clients_leaving_before_the_first_token_and_mid_stream_stop_the_engine(
-    deployment: Any, local: Any
+    deployment: Any,
 ) -> None:
     worker = start_worker(
         deployment,
-        local,
         "sim-leaving",
         "--sim-first-token-delay",
         "0.6",
@@ -315,14 +265,11 @@ def test_half_of_128_streams_leaving_at_once_lose_nothing(deployment: Any, worke
 
 
 @pytest.fixture(scope="module")
-def text_worker(
-    deployment: Any, local: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Worker]:
+def text_worker(deployment: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A SimEngine worker with ``--model-input text``, its model folder without a tokenizer."""
     empty = tmp_path_factory.mktemp("no-tokenizer")
     started = start_worker(
         deployment,
-        local,
         "sim-text",
         "--model-input",
         "text",
@@ -398,10 +345,9 @@ def test_text_mode_a_client_leaving_mid_stream_stops_the_engine(
 # -- shutdown ------------------------------------------------------------------
 
 
-def test_sigterm_unregisters_first_then_drains_the_streams(deployment: Any, local: Any) -> None:
+def test_sigterm_unregisters_first_then_drains_the_streams(deployment: Any) -> None:
     worker = start_worker(
         deployment,
-        local,
         "sim-draining",
         "--sim-token-interval",
         "0.02",
@@ -431,9 +377,9 @@ def test_sigterm_unregisters_first_then_drains_the_streams(deployment: Any, loca
     assert "Traceback" not in output, output
 
 
-def test_a_worker_killed_without_unregistering(deployment: Any, local: Any) -> None:
+def test_a_worker_killed_without_unregistering(deployment: Any) -> None:
     """What the frontend does meanwhile (the README says it): 503s, until it forgets the model."""
-    worker = start_worker(deployment, local, "sim-killed", "--sim-token-interval", "0.01")
+    worker = start_worker(deployment, "sim-killed", "--sim-token-interval", "0.01")
     worker.process.signal(signal.SIGKILL)
     worker.process.wait(timeout=10)
     body = {"model": worker.model, "prompt": "the a", "max_tokens": 3}

@@ -404,6 +404,7 @@ def _dynamo_worker(args: argparse.Namespace) -> int:
     logging.getLogger("trio_sglang").setLevel(logging.INFO)
     try:
         from .dynamo._command import Refused, run_command
+        from .dynamo._serve import RuntimeStopped
     except ImportError as exc:
         return _refuse(
             "trio-sglang dynamo-worker needs the dynamo extra: "
@@ -412,6 +413,7 @@ def _dynamo_worker(args: argparse.Namespace) -> int:
     from .server import ForcedShutdown
 
     refusal: str | None = None
+    lost: str | None = None
     forced: int | None = None
     try:
         run_command(args, _engine_options(args))
@@ -419,10 +421,15 @@ def _dynamo_worker(args: argparse.Namespace) -> int:
         refusal = f"trio-sglang dynamo-worker: {_first(refused)}"
     except* UnsupportedSGLang as old:
         refusal = f"trio-sglang dynamo-worker: {_first(old)}"
+    except* RuntimeStopped as stopped_serving:
+        lost = f"trio-sglang dynamo-worker: {_first(stopped_serving)}"
     except* ForcedShutdown as stopped:
         forced = _forced_status(stopped)
     if refusal is not None:
         return _refuse(refusal)
+    if lost is not None:  # not the configuration's fault: exit 1, for a supervisor to restart it
+        print(lost, file=sys.stderr)
+        return 1
     return 0 if forced is None else forced
 
 

@@ -33,7 +33,7 @@ from ._hosts import AsyncioHost
 from ._mapping import TOKENS
 from ._text import text_mode
 
-__all__ = ["DynamoObserver", "Hurry", "serve_dynamo_worker"]
+__all__ = ["DynamoObserver", "Hurry", "RuntimeStopped", "serve_dynamo_worker"]
 
 logger = logging.getLogger("trio_sglang.dynamo")
 
@@ -45,6 +45,10 @@ _RUNTIME_CLOSE_TIMEOUT = 5.0
 
 #: The key the worker's ``capabilities()`` are published under in the model's runtime config.
 CAPABILITIES_KEY = "trio_sglang"
+
+
+class RuntimeStopped(Exception):
+    """Dynamo's runtime stopped serving the worker's endpoint while the worker was running."""
 
 
 class DynamoObserver(RequestsObserver, WorkerObserver, Protocol):
@@ -119,7 +123,7 @@ async def serve_dynamo_worker(
                 )
                 async with trio.open_nursery() as requests:
                     bridge = RequestBridge(worker, requests, host.loop, observer, mode)
-                    serving.start_soon(host.aio, partial(served.serve_endpoint, bridge.generate))
+                    serving.start_soon(_serve_endpoint, host, served, bridge, shutdown)
                     context_length = worker.features.context_length
                     await host.aio(
                         partial(_register, api, served, endpoint, worker, context_length)
@@ -142,6 +146,25 @@ async def serve_dynamo_worker(
         finally:
             runtime.shutdown()  # ends serve_endpoint, and the runtime's own tasks
             serving.cancel_scope.deadline = trio.current_time() + _RUNTIME_CLOSE_TIMEOUT
+
+
+async def _serve_endpoint(
+    host: AsyncioHost, served: Any, bridge: RequestBridge, shutdown: trio.Event
+) -> None:
+    """The endpoint's server, until the runtime stops it; ``RuntimeStopped`` if it stops first.
+
+    Dynamo's runtime shuts itself down when it cannot renew its discovery
+    lease (etcd unreachable for longer than ``ETCD_LEASE_TTL``): the frontend
+    has dropped this worker by then, and nothing registers it again. The
+    process ends then, as Dynamo's frontend does, so that whatever supervises
+    it starts it afresh.
+    """
+    await host.aio(partial(served.serve_endpoint, bridge.generate))
+    if not shutdown.is_set():
+        raise RuntimeStopped(
+            "Dynamo's runtime stopped serving the endpoint by itself (its discovery lease "
+            "lost?): the frontend no longer routes here"
+        )
 
 
 async def _register(

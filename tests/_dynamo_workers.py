@@ -1,0 +1,66 @@
+"""trio-sglang workers in a Dynamo deployment, read through their own metrics.
+
+Shared by the tests that run Dynamo's frontend and ``trio-sglang dynamo-worker``
+processes: with file discovery (``test_dynamo.py``) and in cluster mode, on
+etcd and NATS (``test_cluster.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from _processes import free_port
+
+__all__ = ["RELEASE_BOUND", "Worker", "start_worker", "wait_for"]
+
+#: Generous: a request nobody stopped runs for tens of seconds here.
+RELEASE_BOUND = 5.0
+
+
+class Worker:
+    """One worker process and its metrics URL."""
+
+    def __init__(self, process: Any, metrics_port: int, model: str) -> None:
+        self.process = process
+        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.model = model
+
+    def sample(self, name: str, **labels: str) -> float:
+        """The value of one series in the worker's metrics (0 if absent)."""
+        text = httpx.get(self.metrics, timeout=5).text
+        wanted = ",".join(f'{key}="{value}"' for key, value in labels.items())
+        series = f"{name}{{{wanted}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def live(self) -> float:
+        return self.sample("trio_sglang_engine_live_requests")
+
+    def events(self, kind: str) -> float:
+        return self.sample("trio_sglang_sim_events_total", kind=kind)
+
+    def outcomes(self, outcome: str) -> float:
+        return self.sample("trio_sglang_requests_total", endpoint="dynamo", outcome=outcome)
+
+
+def start_worker(deployment: Any, model: str, *args: str, name: str | None = None) -> Worker:
+    port = free_port()
+    command = deployment.trio_worker_command(model, port, *args)
+    process = deployment.start_worker(name or model, command, model)
+    return Worker(process, port, model)
+
+
+def wait_for(what: str, ready: Callable[[], bool], timeout: float = RELEASE_BOUND) -> float:
+    """Seconds until ``ready()``; fails past ``timeout``."""
+    start = time.monotonic()
+    while not ready():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not {what} within {timeout} s")
+        time.sleep(0.01)
+    return time.monotonic() - start
