@@ -84,47 +84,39 @@ def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     """The prefill server's URL and the decode server's, both serving."""
     bootstrap = free_port()
     cores = sorted(os.sched_getaffinity(0))
-    mooncake = ("--disaggregation-transfer-backend", "mooncake")
     with ExitStack() as stack, pytest.MonkeyPatch.context() as patch:
         patch.setenv("MOONCAKE_PROTOCOL", "tcp")
-        patch.setenv("SGLANG_CPU_OMP_THREADS_BIND", str(cores[0]))
-        prefill = stack.enter_context(
-            sweep.started(
-                "trio-sglang-serve",
-                model,
-                tmp_path_factory.mktemp("prefill"),
-                flags=(
-                    "--disaggregation-mode",
-                    "prefill",
-                    *mooncake,
-                    "--disaggregation-bootstrap-port",
-                    str(bootstrap),
-                    # A prefix sent early (a radix-cache hit, a chunked prefill's first
-                    # chunks) waits on a CUDA event under the overlap scheduler.
-                    "--disable-radix-cache",
-                    "--disable-overlap-schedule",
-                ),
+
+        def leg(mode: str, core: int, *flags: str) -> sweep.Server:
+            """One side of the pair on its own core, over Mooncake."""
+            patch.setenv("SGLANG_CPU_OMP_THREADS_BIND", str(core))
+            mooncake = ("--disaggregation-transfer-backend", "mooncake")
+            flags = ("--disaggregation-mode", mode, *mooncake, *flags)
+            folder = tmp_path_factory.mktemp(mode)
+            return stack.enter_context(
+                sweep.started("trio-sglang-serve", model, folder, flags=flags)
             )
+
+        prefill = leg(
+            "prefill",
+            cores[0],
+            "--disaggregation-bootstrap-port",
+            str(bootstrap),
+            # A prefix sent early (a radix-cache hit, a chunked prefill's first chunks)
+            # waits on a CUDA event under the overlap scheduler.
+            "--disable-radix-cache",
+            "--disable-overlap-schedule",
         )
-        patch.setenv("SGLANG_CPU_OMP_THREADS_BIND", str(cores[-1]))
-        decode = stack.enter_context(
-            sweep.started(
-                "trio-sglang-serve",
-                model,
-                tmp_path_factory.mktemp("decode"),
-                flags=(
-                    "--disaggregation-mode",
-                    "decode",
-                    *mooncake,
-                    # The default backup registers host memory with CUDA.
-                    "--disaggregation-decode-retraction-backup",
-                    "cpu_tensor",
-                    "--prefill-url",
-                    prefill.url,
-                    "--prefill-bootstrap-port",
-                    str(bootstrap),
-                ),
-            )
+        decode = leg(
+            "decode",
+            cores[-1],
+            # The default backup registers host memory with CUDA.
+            "--disaggregation-decode-retraction-backup",
+            "cpu_tensor",
+            "--prefill-url",
+            prefill.url,
+            "--prefill-bootstrap-port",
+            str(bootstrap),
         )
         yield {"prefill": prefill.url, "decode": decode.url}
 
