@@ -136,6 +136,10 @@ class Observation:
     #: SGLang 0.5.17 ends a request aborted before its dispatch with its
     #: ``RequestAbortedError``, which Dynamo's handler passes on.
     raised: str | None = None
+    #: The cancel was to come at a phase the request went through unseen (a
+    #: machine that stalled longer than the phase lasts), so it never came and
+    #: the request ran uncancelled: this run measures no cancel.
+    missed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -385,6 +389,8 @@ async def _run_request(
                 cancel()
         if cancelled_at is not None:
             seen.stream_close = clock() - cancelled_at
+        elif scenario.cancel in ("tokenizing", "dispatched"):
+            seen.missed = True
         nursery.cancel_scope.cancel()
     return cancelled_at
 
