@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import shutil
+import socket
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from _dynamo_local import local_env
+from _dynamo_local import loopback_env
 from _subprocesses import Process, free_port, wait_until
 
 __all__ = ["Daemons", "cluster_env", "open_daemons"]
@@ -41,6 +42,14 @@ def _nats_binary() -> Path:
     return Path(found)
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 class Daemons:
     """etcd and nats-server on free loopback ports, their data in ``folder``."""
 
@@ -58,6 +67,7 @@ class Daemons:
         command = [str(_nats_binary()), "-a", "127.0.0.1", "-p", port, "-js"]
         command += ["-sd", str(self.folder / "nats-data")]
         self._nats = Process("nats", command, self.folder / "nats.log")
+        wait_until("nats-server to listen", lambda: _listening(int(port)), 30, self._nats)
 
     def start_etcd(self) -> None:
         """etcd on its ports and its data folder (again, after ``stop_etcd``)."""
@@ -86,9 +96,10 @@ class Daemons:
         if self._nats is not None:
             self._nats.stop(timeout=10)
 
-    def instances(self) -> int:
-        """Endpoint instances registered in etcd (each a worker, under its lease)."""
-        prefix = b"v1/instances/"
+    def instances(self, component: str) -> int:
+        """Endpoint instances of ``component`` (in Dynamo's default namespace) in etcd: each
+        a worker, under its lease."""
+        prefix = f"v1/instances/dynamo/{component}/".encode()
         body = {
             "key": base64.b64encode(prefix).decode(),
             "range_end": base64.b64encode(prefix[:-1] + b"0").decode(),  # "/" + 1
@@ -129,14 +140,13 @@ def cluster_env(
     long etcd keeps a worker that stopped renewing its lease (a killed one).
     """
     env = {
-        **local_env(daemons.folder / "unused"),
+        **loopback_env(),
         "DYN_DISCOVERY_BACKEND": "etcd",
         "ETCD_ENDPOINTS": daemons.etcd_url,
         "NATS_SERVER": daemons.nats_url,
         "DYN_REQUEST_PLANE": request_plane,
         "DYN_EVENT_PLANE": event_plane,
     }
-    env.pop("DYN_FILE_KV")
     if lease_ttl is not None:
         env["ETCD_LEASE_TTL"] = str(lease_ttl)
     return env

@@ -18,15 +18,18 @@ import httpx
 
 from _subprocesses import Process, free_port, wait_until
 
-__all__ = ["Deployment", "local_env"]
+__all__ = ["Deployment", "local_env", "loopback_env"]
 
 
 def local_env(discovery: Path) -> dict[str, str]:
     """This environment, with Dynamo's runtime kept on loopback and discovery in ``discovery``."""
+    return {**loopback_env(), "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(discovery)}
+
+
+def loopback_env() -> dict[str, str]:
+    """This environment, with Dynamo's planes on TCP and ZMQ, every host on loopback."""
     return {
         **os.environ,
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(discovery),
         "DYN_REQUEST_PLANE": "tcp",
         "DYN_RESPONSE_PLANE": "tcp",
         "DYN_EVENT_PLANE": "zmq",
