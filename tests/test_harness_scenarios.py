@@ -6,8 +6,7 @@ longer than the phase lasts lets the request pass it unseen; the cancel then
 never comes and the request runs to its end. Such a run measures no cancel,
 and must not be counted as one (once it was: "sent to the scheduler and not
 stopped", under load, on SGLang 0.5.14): it says ``missed``, and the harness
-sweep runs it again. Here the phase lasts no time at all, which no look can
-catch.
+sweep runs it again. Here the stall is a watcher that never sees the phase.
 """
 
 from __future__ import annotations
@@ -16,20 +15,44 @@ import pytest
 import trio
 
 import trio_sglang as ts
+from trio_sglang import RequestPhase
 from trio_sglang_harness._scenarios import RidRecorder, Scenario, run_scenario
 
 REQUEST = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
 
 
-@pytest.mark.parametrize(("tokenize_delay", "missed"), [(0.0, True), (1.0, False)])
+class StalledThroughTokenizing:
+    """The engine, as a watcher that stalled through every tokenization sees it."""
+
+    def __init__(self, engine: ts.SimEngine) -> None:
+        self._engine = engine
+
+    @staticmethod
+    def _seen(phase: RequestPhase) -> RequestPhase:
+        return RequestPhase.DISPATCHED if phase is RequestPhase.REGISTERED else phase
+
+    def phase(self, rid: str) -> RequestPhase:
+        return self._seen(self._engine.phase(rid))
+
+    async def wait_phase_change(self, rid: str, phase: RequestPhase) -> RequestPhase:
+        while (now := self._engine.phase(rid)) is phase or self._seen(now) is phase:
+            await self._engine.wait_phase_change(rid, now)
+        return self._seen(now)
+
+    def live_requests(self) -> int:
+        return self._engine.live_requests()
+
+
+@pytest.mark.parametrize("stalled", [True, False])
 async def test_a_cancel_whose_phase_went_by_unseen_says_so(
-    autojump_clock: trio.testing.MockClock, tokenize_delay: float, missed: bool
+    autojump_clock: trio.testing.MockClock, stalled: bool
 ) -> None:
-    recorder = RidRecorder(ts.SimEngine(tokenize_delay=tokenize_delay, dispatch_delay=0.0))
+    engine = ts.SimEngine(tokenize_delay=1.0)
+    recorder = RidRecorder(engine)
+    watch = StalledThroughTokenizing(engine) if stalled else None
+    scenario = Scenario("t", REQUEST, "tokens", "tokenizing")
     async with ts.open_worker(recorder) as worker:
-        seen = await run_scenario(
-            worker, recorder, Scenario("t", REQUEST, "tokens", "tokenizing"), list
-        )
-    assert seen.missed is missed
-    assert (seen.stream_close is None) is missed
-    assert seen.chunks == (3 if missed else 0)  # uncancelled, it ran to its end
+        seen = await run_scenario(worker, recorder, scenario, list, watch=watch)
+    assert seen.missed is stalled
+    assert (seen.stream_close is None) is stalled
+    assert seen.chunks == (3 if stalled else 0)  # uncancelled, it ran to its end
