@@ -1,4 +1,4 @@
-"""Subprocesses for the multi-worker tests: ``trio-sglang serve`` workers and sglang-router.
+"""Subprocesses for the multi-worker tests: ``trio-sglang serve`` workers and a router.
 
 ``Process``, ``free_port`` and ``wait_until`` are the benchmarks' own
 (``benchmarks/_subprocesses.py``): every process logs to a file, every wait
@@ -19,7 +19,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _subprocesses import Process, free_port, healthy, wait_until
 
-__all__ = ["Process", "free_port", "healthy", "start_router", "start_workers", "wait_until"]
+__all__ = [
+    "ROUTERS",
+    "Process",
+    "free_port",
+    "healthy",
+    "start_router",
+    "start_workers",
+    "wait_until",
+]
+
+#: The routers SGLang deployments put in front of their workers, by name: the module each
+#: runs as (``python -m ...``). Both take the same options for what the tests use: smg
+#: (the SGLang model gateway) is sglang-router's successor.
+ROUTERS: dict[str, tuple[str, ...]] = {
+    "sglang-router": ("sglang_router.launch_router",),
+    "smg": ("smg", "launch"),
+}
 
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
 
@@ -80,17 +96,18 @@ def start_router(
     *args: str,
     timeout: float = 30.0,
     watched: Sequence[Process] = (),
+    router: str = "sglang-router",
 ) -> tuple[Process, str]:
-    """sglang-router on loopback in front of ``worker_urls``.
+    """``router`` (a name in ROUTERS) on loopback in front of ``worker_urls``.
 
     Returns once its ``/workers`` lists every worker as healthy; fails early if
     the router or one of the ``watched`` processes (the workers) exits.
     """
     port, metrics_port = free_port(), free_port()
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
+    command = [sys.executable, "-m", *ROUTERS[router], "--worker-urls", *worker_urls]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
-    process = Process("sglang-router", [*command, *args], log_dir / "sglang-router.log")
+    process = Process(router, [*command, *args], log_dir / f"{router}.log")
     url = f"http://127.0.0.1:{port}"
 
     def all_registered() -> bool:

@@ -445,6 +445,48 @@ async def test_the_rooms_routes_check_what_they_are_sent(prefill: Server, pair: 
     assert (await scrape(prefill)).rooms == 0
 
 
+async def test_a_prefill_leg_whose_decode_side_aborted_stops_at_once(prefill: Server) -> None:
+    """A router that keeps the prefill leg open when its client leaves (smg's prefill/decode
+    mode) leaves the decode side's abort notification as the only word the prefill server
+    gets: it stops the leg in that room there and then, not after its last forward."""
+    room, port = 4242, int(prefill.url.rsplit(":", 1)[1])
+    leg = {**generate(LONG_PROMPT, 1, stream=False), "bootstrap_room": room}
+    leg |= {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    before = await Gains.start(prefill)
+    answer: list[httpx.Response] = []
+
+    async def run_leg(client: httpx.AsyncClient) -> None:
+        answer.append(await client.post("/generate", json=leg))
+
+    async def prefilling() -> bool:
+        return (await before.update()).event("prefill_chunk") >= 1
+
+    async with (
+        httpx.AsyncClient(base_url=prefill.url, timeout=TIMEOUT) as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(run_leg, client)
+        room_path = f"{ROOMS_PATH}{room}"
+        assert (await client.post(room_path, json={"events": ["decode_ready"]})).is_success
+        await wait_for("the prefill leg's first forward", prefilling)
+        aborted = {"events": ["decode_aborted"], "done": True}
+        assert (await client.post(room_path, json=aborted)).is_success
+    (response,) = answer
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    await wait_for("the prefill server idle, no room left", lambda: _idle(prefill))
+    await before.update()
+    assert before.event("prefill_chunk") < FORWARDS  # stopped after the forward in progress
+    assert before.event("abort_applied") == 1
+    assert before.event("kv_sent") == before.event("kv_failed") == 0
+    assert before.value("trio_sglang_requests_total", outcome="aborted") == 1
+
+
+async def _idle(server: Server) -> bool:
+    metrics = await scrape(server)
+    return metrics.live == metrics.rooms == 0
+
+
 async def test_in_one_process_both_sides_forget_every_room() -> None:
     """The same pair in one trio run: here the decode side's own rooms can be counted too."""
     hosted = ts.SimKVRooms()
@@ -552,7 +594,7 @@ async def test_a_room_a_peer_made_and_left_is_forgotten(
 
 async def test_a_prefill_server_makes_no_room_past_its_limit() -> None:
     rooms = ts.SimKVRooms()
-    app = KVRoomsApp(rooms, read_timeout=1.0, max_rooms=2)
+    app = KVRoomsApp(rooms, read_timeout=1.0, on_decode_aborted=lambda room: None, max_rooms=2)
     statuses = [await _post_room(app, room, {"events": ["decode_ready"]}) for room in range(3)]
     assert statuses == [200, 200, 503]
     assert len(rooms) == 2

@@ -60,14 +60,7 @@ import openai
 import pytest
 from prometheus_client import parser
 
-if importlib.util.find_spec("sglang_router") is None:
-    pytest.skip(
-        "sglang-router is not installed (pip install sglang-router): "
-        "the multi-worker tests need SGLang's router",
-        allow_module_level=True,
-    )
-
-from _processes import Process, start_router, start_workers, wait_until
+from _processes import ROUTERS, Process, start_router, start_workers, wait_until
 
 #: The SimEngine's seconds per decoded token on both workers: slow, so streams stay open.
 TOKEN_INTERVAL = 0.2
@@ -90,12 +83,41 @@ FIRST_TOKEN_DELAY = 5.0
 TOKEN_GAP = 2.0
 
 
+@dataclass(frozen=True)
+class Behaviour:
+    """What a router does when its client leaves, as this module's tests measure it."""
+
+    #: It notices a client's closed connection at once, with nothing to write to it;
+    #: otherwise only at its next write (a token, or one of the worker's SSE heartbeats).
+    sees_a_close_at_once: bool
+    #: In PD mode it answers a stream's headers before the prefill leg ends, and keeps the
+    #: prefill leg's connection open after its client left (the leg runs on, for nobody).
+    keeps_the_prefill_leg: bool
+
+
+BEHAVIOURS = {
+    "sglang-router": Behaviour(sees_a_close_at_once=False, keeps_the_prefill_leg=False),
+    "smg": Behaviour(sees_a_close_at_once=True, keeps_the_prefill_leg=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(ROUTERS))
+def router_name(request: pytest.FixtureRequest) -> str:
+    """Each router in ROUTERS, the module's tests run behind each in turn."""
+    name: str = request.param
+    module = ROUTERS[name][0].split(".")[0]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{name} is not installed (pip install 'trio-sglang[router]')")
+    return name
+
+
 @dataclass
 class Cluster:
     router: str
     workers: list[str]
     worker_processes: list[Process]
     router_process: Process
+    behaviour: Behaviour
 
     def require_workers_alive(self) -> None:
         for process in self.worker_processes:
@@ -108,8 +130,9 @@ def _worker_died(process: Process) -> NoReturn:
 
 
 @contextlib.contextmanager
-def running_cluster(log_dir: Path, *worker_args: str) -> Iterator[Cluster]:
-    """Two workers started with ``worker_args`` behind a round-robin router; stopped after."""
+def running_cluster(log_dir: Path, router_name: str, *worker_args: str) -> Iterator[Cluster]:
+    """Two workers started with ``worker_args`` behind a round-robin ``router_name``;
+    stopped after."""
     started: list[Process] = []
     try:
         pairs = start_workers(["worker-a", "worker-b"], log_dir, *worker_args)
@@ -125,6 +148,7 @@ def running_cluster(log_dir: Path, *worker_args: str) -> Iterator[Cluster]:
                 "--shutdown-grace-period-secs", "1",
                 timeout=30,
                 watched=worker_processes,
+                router=router_name,
             )  # fmt: skip
         except AssertionError:
             for process in worker_processes:
@@ -132,7 +156,8 @@ def running_cluster(log_dir: Path, *worker_args: str) -> Iterator[Cluster]:
                     _worker_died(process)
             raise
         started.append(router)
-        cluster = Cluster(router_url, workers, worker_processes, router)
+        behaviour = BEHAVIOURS[router_name]
+        cluster = Cluster(router_url, workers, worker_processes, router, behaviour)
         cluster.require_workers_alive()
         yield cluster
     finally:
@@ -141,18 +166,18 @@ def running_cluster(log_dir: Path, *worker_args: str) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(
-        tmp_path_factory.mktemp("router"), "--sim-token-interval", str(TOKEN_INTERVAL)
-    ) as started:
+def cluster(tmp_path_factory: pytest.TempPathFactory, router_name: str) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("router")
+    args = ("--sim-token-interval", str(TOKEN_INTERVAL))
+    with running_cluster(log_dir, router_name, *args) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
-def waiting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def waiting(tmp_path_factory: pytest.TempPathFactory, router_name: str) -> Iterator[Cluster]:
     """Heartbeats on (the default); the first token 5 s after a request reaches the engine."""
     args = ("--sim-first-token-delay", str(FIRST_TOKEN_DELAY))
-    with running_cluster(tmp_path_factory.mktemp("waiting"), *args) as started:
+    with running_cluster(tmp_path_factory.mktemp("waiting"), router_name, *args) as started:
         yield started
 
 
@@ -252,7 +277,7 @@ def test_the_router_registers_both_workers_over_http(cluster: Cluster) -> None:
     assert set(registered) == set(cluster.workers)
     for worker in registered.values():
         assert worker["is_healthy"]
-        assert worker["connection_mode"] == "HTTP"
+        assert worker["connection_mode"].lower() == "http"
     # The workers' /server_info names the model, so the router lists it.
     models = httpx.get(f"{cluster.router}/v1/models", timeout=TIMEOUT).json()
     assert MODEL in [m["id"] for m in models["data"]]
@@ -449,10 +474,10 @@ def test_behind_the_router_a_client_gone_before_the_first_token_is_let_go_within
         ("/v1/chat/completions", chat_body(LONG, stream=True)),
     ]
     with contextlib.ExitStack() as stack:
-        streams = open_streams(stack, waiting.router, bodies)  # round robin: one on each worker
+        streams = open_streams(stack, waiting.router, bodies)
         wait_for(
-            "each worker holds its request",
-            lambda: [live(worker) for worker in waiting.workers] == [1, 1],
+            "the workers hold both requests",
+            lambda: sum(live(worker) for worker in waiting.workers) == 2,
             TIMEOUT,
         )
         for _, _, lines in streams:  # the router passes the worker's heartbeats on
@@ -469,7 +494,7 @@ def test_behind_the_router_a_client_gone_before_the_first_token_is_let_go_within
     # counted the disconnect in that phase.
     assert deltas(sim_events(waiting, "token"), tokens) == [0, 0]
     gained = deltas(counts(waiting, cancellations, phase="before_first_token"), before_first_token)
-    assert gained == [1, 1]
+    assert sum(gained) == 2
     waiting.require_workers_alive()
 
 
@@ -498,9 +523,10 @@ def test_behind_the_router_a_non_streaming_client_that_leaves_is_let_go_at_once(
 
 
 @pytest.fixture
-def slow_tokens(tmp_path: Path) -> Iterator[Cluster]:
+def slow_tokens(tmp_path: Path, router_name: str) -> Iterator[Cluster]:
     """Heartbeats on; the first token at once, then one every TOKEN_GAP seconds."""
-    with running_cluster(tmp_path, "--sim-token-interval", str(TOKEN_GAP)) as started:
+    args = ("--sim-token-interval", str(TOKEN_GAP))
+    with running_cluster(tmp_path, router_name, *args) as started:
         yield started
 
 
@@ -522,33 +548,35 @@ def test_behind_the_router_a_client_gone_in_a_long_gap_is_let_go_within_a_heartb
     )
     record_property("mid_stream_let_go_s", round(took, 3))
 
-    assert sim_events(cluster, "token") == [1, 1]  # the second token never came
-    assert counts(cluster, cancellations, phase="mid_stream") == [1, 1]
+    assert sum(sim_events(cluster, "token")) == 2  # the second token never came
+    assert sum(counts(cluster, cancellations, phase="mid_stream")) == 2
     cluster.require_workers_alive()
 
 
 @pytest.fixture
-def waiting_quiet(tmp_path: Path) -> Iterator[Cluster]:
+def waiting_quiet(tmp_path: Path, router_name: str) -> Iterator[Cluster]:
     """``waiting`` with heartbeats off, and TOKEN_GAP between tokens."""
     args = ["--sim-first-token-delay", str(FIRST_TOKEN_DELAY), "--sse-heartbeat", "0"]
-    with running_cluster(tmp_path, *args, "--sim-token-interval", str(TOKEN_GAP)) as started:
+    args += ["--sim-token-interval", str(TOKEN_GAP)]
+    with running_cluster(tmp_path, router_name, *args) as started:
         yield started
 
 
 @pytest.mark.slow
-def test_with_heartbeats_off_the_worker_lets_go_only_at_the_first_token(
+def test_with_heartbeats_off_the_worker_is_let_go_when_the_router_sees_the_client_gone(
     waiting_quiet: Cluster, record_property: Callable[[str, object], None]
 ) -> None:
-    """The router's old behaviour, kept with ``--sse-heartbeat 0``: it notices the gone client
-    when it writes the first token, so the worker holds the request until then."""
+    """With ``--sse-heartbeat 0`` nothing is written to a client before its first token. A
+    router that notices a close only when it writes (sglang-router) holds the request until
+    then; one that sees the close itself (smg) lets it go at once."""
     cluster = waiting_quiet
     bodies = [("/generate", generate_body(LONG)), ("/v1/completions", completions_body(LONG))]
     with contextlib.ExitStack() as stack:
         sent = time.monotonic()
         streams = open_streams(stack, cluster.router, bodies)
         wait_for(
-            "each worker holds its request",
-            lambda: [live(worker) for worker in cluster.workers] == [1, 1],
+            "the workers hold both requests",
+            lambda: sum(live(worker) for worker in cluster.workers) == 2,
             TIMEOUT,
         )
         left = leave(streams)
@@ -560,14 +588,19 @@ def test_with_heartbeats_off_the_worker_lets_go_only_at_the_first_token(
     )
     record_property("heartbeats_off_let_go_s", round(took, 3))
 
-    # Held until the first token, which the router then failed to deliver: each
-    # engine decoded it (the second was TOKEN_GAP later), and the worker saw
-    # the disconnect after its first event, so mid-stream.
-    assert held >= FIRST_TOKEN_DELAY
-    assert sim_events(cluster, "token") == [1, 1]
     cancellations = "trio_sglang_cancellations_total"
-    assert counts(cluster, cancellations, phase="mid_stream") == [1, 1]
-    assert counts(cluster, cancellations, phase="before_first_token") == [0, 0]
+    if cluster.behaviour.sees_a_close_at_once:
+        assert took <= HEARTBEAT_BOUND
+        assert sim_events(cluster, "token") == [0, 0]
+        assert sum(counts(cluster, cancellations, phase="before_first_token")) == 2
+    else:
+        # Held until the first token, which the router then failed to deliver: each
+        # engine decoded it (the second was TOKEN_GAP later), and the worker saw
+        # the disconnect after its first event, so mid-stream.
+        assert held >= FIRST_TOKEN_DELAY
+        assert sum(sim_events(cluster, "token")) == 2
+        assert sum(counts(cluster, cancellations, phase="mid_stream")) == 2
+        assert counts(cluster, cancellations, phase="before_first_token") == [0, 0]
     cluster.require_workers_alive()
 
 
@@ -579,15 +612,15 @@ PACED = ("--sim-first-token-delay", "0.35", "--sim-token-interval", "0.3")
 
 
 @pytest.fixture
-def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("paced"), *PACED) as started:
+def paced(tmp_path_factory: pytest.TempPathFactory, router_name: str) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("paced"), router_name, *PACED) as started:
         yield started
 
 
 @pytest.fixture
-def paced_quiet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def paced_quiet(tmp_path_factory: pytest.TempPathFactory, router_name: str) -> Iterator[Cluster]:
     log_dir = tmp_path_factory.mktemp("paced-quiet")
-    with running_cluster(log_dir, *PACED, "--sse-heartbeat", "0") as started:
+    with running_cluster(log_dir, router_name, *PACED, "--sse-heartbeat", "0") as started:
         yield started
 
 
@@ -717,6 +750,7 @@ class PD:
     router: str
     prefill: str
     decode: str
+    behaviour: Behaviour
 
     @property
     def servers(self) -> list[str]:
@@ -738,7 +772,7 @@ def pd_registered(router: str, roles: dict[str, str]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+def pd(tmp_path_factory: pytest.TempPathFactory, router_name: str) -> Iterator[PD]:
     log_dir = tmp_path_factory.mktemp("pd")
     started: list[Process] = []
     try:
@@ -749,7 +783,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         bootstrap_port = prefill_url.rsplit(":", 1)[1]
         args = ["--pd-disaggregation", "--prefill", prefill_url, bootstrap_port]
         args += ["--decode", decode_url, "--log-level", "warn"]
-        router, url = start_router(log_dir, [], *args, watched=[prefill, decode])
+        router, url = start_router(
+            log_dir, [], *args, watched=[prefill, decode], router=router_name
+        )
         started.append(router)
         roles = {prefill_url: "prefill", decode_url: "decode"}
         wait_until(
@@ -758,7 +794,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
             TIMEOUT,
             *started,
         )
-        yield PD(url, prefill_url, decode_url)
+        yield PD(url, prefill_url, decode_url, BEHAVIOURS[router_name])
     finally:
         for process in reversed(started):
             process.stop()
@@ -776,9 +812,14 @@ def pd_idle(pd: PD) -> bool:
 def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_both(
     pd: PD, record_property: Callable[[str, object], None]
 ) -> None:
+    """sglang-router has answered nothing yet, so it sees the client gone at once and drops
+    both legs. smg has answered the stream's headers (the decode server's heartbeats follow),
+    drops the decode leg at the next of them, and keeps the prefill leg open: the decode
+    side's abort notification stops that one, at the prefill server."""
     wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
     requests = "trio_sglang_requests_total"
     cancelled = [metric(scrape(s), requests, outcome="cancelled") for s in pd.servers]
+    aborted_requests = metric(scrape(pd.prefill), requests, outcome="aborted")
     chunks, aborted, failed, sent = (pd.events(kind) for kind in PD_PREFILL_EVENTS)
     body = {**generate_body(50), "text": PD_PROMPT}
     with contextlib.closing(post_raw(pd.router, "/generate", body)) as sock:
@@ -787,10 +828,9 @@ def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_
             lambda: pd.events("prefill_chunk")[0] > chunks[0] and live(pd.decode) == 1,
             TIMEOUT,
         )
-        assert nothing_received(sock)  # the router has not answered
+        assert nothing_received(sock) is not pd.behaviour.keeps_the_prefill_leg
         left = time.monotonic()
-    # No heartbeat involved: the router notices at once. The prefill stops after
-    # the forward in progress (0.2 s), so the same bound holds.
+    # Within a heartbeat (the decode leg) and the forward in progress (0.2 s, the prefill).
     wait_for("both servers idle, no room left", lambda: pd_idle(pd), HEARTBEAT_BOUND)
     took = time.monotonic() - left
     print(f"PD: client gone during the prefill -> both servers idle: {took:.3f} s")
@@ -804,7 +844,11 @@ def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_
     assert pd.events("kv_sent")[0] == sent[0]
     assert pd.events("abort_applied")[1] == aborted[1] + 1  # and the decode leg aborted
     after = [metric(scrape(s), requests, outcome="cancelled") for s in pd.servers]
-    assert deltas(after, cancelled) == [1, 1]
+    aborted_after = metric(scrape(pd.prefill), requests, outcome="aborted")
+    if pd.behaviour.keeps_the_prefill_leg:  # stopped by its room, its connection still open
+        assert (deltas(after, cancelled), aborted_after - aborted_requests) == ([0, 1], 1)
+    else:
+        assert (deltas(after, cancelled), aborted_after - aborted_requests) == ([1, 1], 0)
 
 
 def test_behind_the_router_in_pd_mode_a_client_gone_in_a_decode_gap_is_let_go_within_a_heartbeat(

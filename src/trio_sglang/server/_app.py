@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from .._core._context import RequestContext
-from .._core._disagg import PrefillPeer
+from .._core._disagg import PrefillPeer, bootstrap_rooms
 from .._core._worker import PreparedRequest, ResponseStream, Worker
 from .._engine import ChatTemplating
 from .._errors import EngineError, EngineShutdown, InvalidRequest
@@ -108,7 +108,11 @@ class ServerApp:
         self._rooms = (
             None
             if kv_rooms is None
-            else KVRoomsApp(kv_rooms, read_timeout=self.limits.request_read_timeout)
+            else KVRoomsApp(
+                kv_rooms,
+                read_timeout=self.limits.request_read_timeout,
+                on_decode_aborted=self._inflight.stop_room,
+            )
         )
         self._hosted_app = hosted
         #: The engine's own HTTP application (SGLang's server), which serves every route
@@ -317,7 +321,9 @@ class ServerApp:
                 raise _shutting_down()
             self._admission.check_load(self._inflight.children, children)
             # Every request in flight holds a context, from here to its last byte.
-            ctx = self._inflight.add(plan.public_id, children)
+            # A prefill server on hosted rooms finds the request by its room as well.
+            rooms = () if self._rooms is None else bootstrap_rooms(plan.native)
+            ctx = self._inflight.add(plan.public_id, children, rooms)
         except ClientGone:
             self._count(endpoint, "cancelled", phase="before_headers")
             return

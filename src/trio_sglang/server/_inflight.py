@@ -15,6 +15,12 @@ request's, and aborts nothing; such a request ends with its connection.
 An abort stops the request through the same lifecycle as a disconnect, with
 ``ctx.stop()`` rather than ``ctx.kill()``: the client is still there, and its
 response ends as SGLang ends an aborted one (``_app.py``).
+
+A prefill server also finds its requests by bootstrap room: when a room's
+decode side aborts, the prefill leg in that room is for nobody, and is
+stopped at once (``stop_room``) rather than prefilled to its end, which is
+what SGLang's prefill side does and what a router that keeps the prefill leg
+open when its client leaves (smg's prefill/decode mode) would cost.
 """
 
 from __future__ import annotations
@@ -32,24 +38,35 @@ class InFlight:
 
     def __init__(self) -> None:
         self._by_id: dict[str, RequestContext] = {}
+        self._by_room: dict[int, set[RequestContext]] = {}
+        self._rooms: dict[RequestContext, tuple[int, ...]] = {}
         self._children: dict[RequestContext, int] = {}
         self._aborted: set[RequestContext] = set()
         #: The completions of every request in flight: the engine requests they make.
         self.children = 0
 
-    def add(self, public_id: str, children: int) -> RequestContext:
-        """The context of a new request of ``children`` completions; 400 if its id is in flight."""
+    def add(self, public_id: str, children: int, rooms: tuple[int, ...] = ()) -> RequestContext:
+        """The context of a new request of ``children`` completions, in bootstrap ``rooms``
+        (a prefill server's); 400 if its id is in flight."""
         if public_id in self._by_id:
             # SGLang's words (TokenizerManager), for the same refusal.
             raise HTTPError(400, f"Duplicate request ID detected: {public_id}", param="rid")
         ctx = self._by_id[public_id] = RequestContext(public_id)
         self._children[ctx] = children
         self.children += children
+        self._rooms[ctx] = rooms
+        for room in rooms:
+            self._by_room.setdefault(room, set()).add(ctx)
         return ctx
 
     def discard(self, ctx: RequestContext) -> None:
         del self._by_id[ctx.id]
         self.children -= self._children.pop(ctx)
+        for room in self._rooms.pop(ctx):
+            in_room = self._by_room[room]
+            in_room.discard(ctx)
+            if not in_room:
+                del self._by_room[room]
         self._aborted.discard(ctx)
 
     def abort(self, public_id: str | None) -> int:
@@ -68,6 +85,14 @@ class InFlight:
             self._aborted.add(ctx)
             ctx.stop()
         return len(stopped)
+
+    def stop_room(self, room: int) -> None:
+        """The decode side of ``room`` aborted: stop the requests in it (a room is one
+        request's, but nothing stops two clients from naming the same one)."""
+        for ctx in self._by_room.get(room, ()):
+            if not ctx.cancelled:
+                self._aborted.add(ctx)
+                ctx.stop()
 
     def aborted(self, ctx: RequestContext) -> bool:
         """Whether ``/abort_request`` stopped this request."""

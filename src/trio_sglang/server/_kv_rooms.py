@@ -35,7 +35,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -104,13 +104,23 @@ class KVRoomsApp:
     room is a few hundred bytes, held until both sides are done with it or
     until the rooms forget it (``SimKVRooms``: 300 s), and the routes take
     the server's API key, so only its peers can make one.
+
+    ``on_decode_aborted(room)`` runs when a room's decode side reports its
+    abort, after the room has recorded it: the server stops the prefill leg
+    in that room (``InFlight.stop_room``).
     """
 
     def __init__(
-        self, rooms: HostedKVRooms, *, read_timeout: float, max_rooms: int = MAX_ROOMS
+        self,
+        rooms: HostedKVRooms,
+        *,
+        read_timeout: float,
+        on_decode_aborted: Callable[[int], None],
+        max_rooms: int = MAX_ROOMS,
     ) -> None:
         self.rooms = rooms
         self._read_timeout = read_timeout
+        self._on_decode_aborted = on_decode_aborted
         self._max_rooms = max_rooms
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -151,6 +161,8 @@ class KVRoomsApp:
             self.rooms.post(room, event, _HERE)
         if done:
             self.rooms.side_done(room, _HERE)
+        if "decode_aborted" in events:
+            self._on_decode_aborted(room)
 
     async def _wait(
         self, room: int, wanted: frozenset[RoomEvent], hold: float, receive: Receive
