@@ -269,6 +269,19 @@ def cluster(session: nox.Session) -> None:
     session.run("pytest", "-m", "cluster", *session.posargs)
 
 
+@nox.session(name="hop-cancel")
+def hop_cancel(session: nox.Session) -> None:
+    """Cancel-to-free latency across a hop, with bench-endpoint: through Dynamo's frontend on
+    etcd and NATS (each plane combination), through smg and sglang-router, and direct.
+
+    About 3 min (``-- --quick``: about 1 min); options after ``--`` go to
+    ``benchmarks/hop_cancel.py``.
+    """
+    install_dynamo(session, "router", "bench", "asyncio")
+    session.install(*CLUSTER_DAEMONS)
+    session.run("python", "benchmarks/hop_cancel.py", *session.posargs)
+
+
 @nox.session
 def dynamo(session: nox.Session) -> None:
     """trio-sglang workers behind Dynamo's own frontend, as processes (no etcd, no NATS)."""

@@ -25,7 +25,10 @@ import httpx
 from _dynamo_local import loopback_env
 from _subprocesses import Process, free_port, wait_until
 
-__all__ = ["Daemons", "cluster_env", "open_daemons"]
+__all__ = ["PLANES", "Daemons", "cluster_env", "open_daemons"]
+
+#: Dynamo's planes, each combination: (request plane, event plane).
+PLANES = [("tcp", "zmq"), ("tcp", "nats"), ("nats", "zmq"), ("nats", "nats")]
 
 
 def _etcd_binary() -> Path:

@@ -56,11 +56,11 @@ class Deployment:
         self.processes: list[Process] = []
         self.url = ""
 
-    def start_frontend(self, timeout: float = 60.0) -> str:
-        """``python -m dynamo.frontend`` on loopback; its URL once it answers."""
+    def start_frontend(self, *args: str, timeout: float = 60.0) -> str:
+        """``python -m dynamo.frontend ARGS`` on loopback; its URL once it answers."""
         port = free_port()
         command = [self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
-        frontend = self._start("frontend", [*command, "--http-port", str(port)])
+        frontend = self._start("frontend", [*command, "--http-port", str(port), *args])
         self.url = f"http://127.0.0.1:{port}"
         wait_until("the frontend to answer", lambda: self._models() is not None, timeout, frontend)
         return self.url

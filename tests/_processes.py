@@ -1,22 +1,18 @@
 """Subprocesses for the multi-worker tests: ``trio-sglang serve`` workers and a router.
 
-``Process``, ``free_port`` and ``wait_until`` are the benchmarks' own
-(``benchmarks/_subprocesses.py``): every process logs to a file, every wait
+All of it is the benchmarks' own (``benchmarks/_subprocesses.py``,
+``benchmarks/_serve_processes.py``): every process logs to a file, every wait
 is bounded, and ``stop`` always reaps.
 """
 
 from __future__ import annotations
 
-import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from _serve_processes import ROUTERS, start_router, start_workers
 from _subprocesses import Process, free_port, healthy, wait_until
 
 __all__ = [
@@ -28,100 +24,3 @@ __all__ = [
     "start_workers",
     "wait_until",
 ]
-
-#: The routers SGLang deployments put in front of their workers, by name: the module each
-#: runs as (``python -m ...``). Both take the same options for what the tests use: smg
-#: (the SGLang model gateway) is sglang-router's successor.
-ROUTERS: dict[str, tuple[str, ...]] = {
-    "sglang-router": ("sglang_router.launch_router",),
-    "smg": ("smg", "launch"),
-}
-
-_SERVING = re.compile(r"serving \S+ on (http://\S+)")
-
-
-def _get_json(url: str) -> Any:
-    try:
-        response = httpx.get(url, timeout=2)
-        return response.json() if response.status_code == 200 else None
-    except (httpx.TransportError, ValueError):  # not up yet, or not JSON
-        return None
-
-
-def _wait_serving(process: Process, timeout: float) -> str:
-    """The URL ``serve`` reports, once /health answers 200 there."""
-    output = ""
-
-    def reported() -> bool:
-        nonlocal output
-        output = process.output()
-        return _SERVING.search(output) is not None
-
-    wait_until(f"{process.name} to report its URL", reported, timeout, process)
-    match = _SERVING.search(output)
-    assert match is not None
-    url = match.group(1)
-    wait_until(
-        f"{process.name} to answer /health",
-        lambda: healthy(url),
-        timeout,
-        process,
-    )
-    return url
-
-
-def start_workers(
-    names: Sequence[str], log_dir: Path, *args: str, timeout: float = 30.0
-) -> list[tuple[Process, str]]:
-    """``python -m trio_sglang serve --port 0 ARGS`` once per name, started together.
-
-    Returns each process and its URL once its /health answers 200.
-    """
-    command = [sys.executable, "-m", "trio_sglang", "serve", "--port", "0", *args]
-    started: list[Process] = []
-    try:
-        for name in names:
-            started.append(Process(name, command, log_dir / f"{name}.log"))
-        workers = [(process, _wait_serving(process, timeout)) for process in started]
-    except BaseException:
-        for process in started:
-            process.stop()
-        raise
-    return workers
-
-
-def start_router(
-    log_dir: Path,
-    worker_urls: Sequence[str],
-    *args: str,
-    timeout: float = 30.0,
-    watched: Sequence[Process] = (),
-    router: str = "sglang-router",
-) -> tuple[Process, str]:
-    """``router`` (a name in ROUTERS) on loopback in front of ``worker_urls``.
-
-    Returns once its ``/workers`` lists every worker as healthy; fails early if
-    the router or one of the ``watched`` processes (the workers) exits.
-    """
-    port, metrics_port = free_port(), free_port()
-    command = [sys.executable, "-m", *ROUTERS[router], "--worker-urls", *worker_urls]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
-    process = Process(router, [*command, *args], log_dir / f"{router}.log")
-    url = f"http://127.0.0.1:{port}"
-
-    def all_registered() -> bool:
-        listing = _get_json(f"{url}/workers")
-        if not isinstance(listing, dict):
-            return False
-        listed = {w.get("url") for w in listing.get("workers", []) if w.get("is_healthy")}
-        return set(worker_urls) <= listed
-
-    try:
-        wait_until(
-            "the router to register every worker", all_registered, timeout, process, *watched
-        )
-    except BaseException:
-        process.stop()
-        raise
-    return process, url

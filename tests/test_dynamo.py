@@ -378,7 +378,7 @@ def test_sigterm_unregisters_first_then_drains_the_streams(deployment: Any) -> N
 
 
 def test_a_worker_killed_without_unregistering(deployment: Any) -> None:
-    """What the frontend does meanwhile (the README says it): 503s, until it forgets the model."""
+    """What the frontend does meanwhile (docs/dynamo.md): 503s, until it forgets the model."""
     worker = start_worker(deployment, "sim-killed", "--sim-token-interval", "0.01")
     worker.process.signal(signal.SIGKILL)
     worker.process.wait(timeout=10)

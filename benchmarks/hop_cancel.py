@@ -1,0 +1,223 @@
+"""Cancel-to-free latency across a hop: bench-endpoint through Dynamo's frontend in cluster
+mode and through a router, beside a worker reached directly.
+
+Every setup serves the SimEngine with its default timing (first token after
+50 ms, then one every 20 ms), as processes on loopback:
+
+- ``direct``: one ``trio-sglang serve``, the baseline;
+- ``smg`` and ``sglang-router``: two ``serve`` workers behind the router, round robin;
+- ``dynamo <request plane>/<event plane>``: etcd and nats-server, Dynamo's
+  frontend and three ``trio-sglang dynamo-worker`` processes with etcd discovery,
+  for each combination of planes.
+
+For each, ``trio-sglang bench-endpoint`` sends clients that leave in its eight
+ways (before the headers, before the first token, at it, mid-stream; each with
+a FIN and with a reset), ``--clients`` of each, 8 at once, and reads each
+release from the workers' own gauges. The table: per setup, every release's
+p50 / p99 / max, what was leaked, and the p50 and p99 as ratios to the direct
+worker's from the same run. The setups run one after another, never two at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from _cluster_daemons import PLANES, Daemons, cluster_env, open_daemons
+from _dynamo_local import Deployment
+from _output import table, write_json
+from _serve_processes import start_router, start_workers
+from _subprocesses import free_port
+from trio_sglang.bench_endpoint._phases import ALL_PHASES
+from trio_sglang.bench_endpoint._report import Report, load, percentile
+
+#: bench-endpoint's ways of leaving (``stay`` is no leave).
+LEAVING = [phase.name for phase in ALL_PHASES if phase.leave != "stay"]
+#: The routers, in the order they run.
+ROUTED = ("smg", "sglang-router")
+#: How long one bench-endpoint run may take, at most.
+RUN_TIMEOUT = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """Where bench-endpoint sends its clients, and the workers whose gauges it reads."""
+
+    name: str
+    url: str
+    metrics: list[str]
+    model: str | None = None
+
+
+@contextlib.contextmanager
+def direct(log_dir: Path) -> Iterator[Setup]:
+    ((worker, url),) = start_workers(["direct"], log_dir)
+    try:
+        yield Setup("direct", url, [f"{url}/metrics"])
+    finally:
+        worker.stop()
+
+
+@contextlib.contextmanager
+def behind_router(log_dir: Path, router: str) -> Iterator[Setup]:
+    workers = start_workers([f"{router}-a", f"{router}-b"], log_dir)
+    processes = [process for process, _ in workers]
+    try:
+        urls = [url for _, url in workers]
+        args = ("--policy", "round_robin", "--log-level", "warn")
+        process, url = start_router(log_dir, urls, *args, watched=processes, router=router)
+        processes.append(process)
+        yield Setup(router, url, [f"{worker}/metrics" for worker in urls])
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+@contextlib.contextmanager
+def behind_dynamo(log_dir: Path, daemons: Daemons, planes: tuple[str, str]) -> Iterator[Setup]:
+    """The frontend and three workers of one model, named after the planes (etcd is shared)."""
+    folder = log_dir / "-".join(planes)
+    folder.mkdir()
+    model = f"sim-{'-'.join(planes)}"
+    with Deployment(folder, env=cluster_env(daemons, *planes)) as deployment:
+        url = deployment.start_frontend()
+        metrics = []
+        for index in range(3):
+            port = free_port()
+            command = deployment.trio_worker_command(model, port)
+            deployment.start_worker(f"w{index}", command, model)
+            metrics.append(f"http://127.0.0.1:{port}/metrics")
+        yield Setup(f"dynamo {'/'.join(planes)}", url, metrics, model)
+
+
+def bench(setup: Setup, out: Path, clients: int) -> Report:
+    """One bench-endpoint run against ``setup``; its report."""
+    command = [sys.executable, "-m", "trio_sglang", "bench-endpoint", "--url", setup.url]
+    command += ["--api", "openai-completions", "--phases", *LEAVING]
+    command += ["--requests", str(clients), "--concurrency", "8", "--json", str(out)]
+    command += [arg for url in setup.metrics for arg in ("--metrics-url", url)]
+    if setup.model is not None:
+        command += ["--model", setup.model]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench-endpoint against {setup.name} failed:\n{done.stderr[-3000:]}")
+    return load(out)
+
+
+def run(clients: int, planes: Sequence[tuple[str, str]], work: Path) -> dict[str, Report]:
+    """Every setup in turn, each stopped before the next starts; their reports by name."""
+    reports: dict[str, Report] = {}
+
+    def measure(setup: Setup) -> None:
+        started = time.monotonic()
+        reports[setup.name] = bench(setup, work / f"{len(reports)}.json", clients)
+        print(f"{setup.name}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+    with direct(work) as setup:
+        measure(setup)
+    for router in ROUTED:
+        with behind_router(work, router) as setup:
+            measure(setup)
+    (work / "daemons").mkdir()
+    with open_daemons(work / "daemons") as daemons:
+        for pair in planes:
+            with behind_dynamo(work, daemons, pair) as setup:
+                measure(setup)
+    return reports
+
+
+def releases(report: Report) -> list[float]:
+    return sorted(ms for phase in report.phases for ms in phase.release_ms)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def format_reports(reports: dict[str, Report]) -> str:
+    base = releases(reports["direct"])
+    base_p50, base_p99 = percentile(base, 0.5), percentile(base, 0.99)
+    rows = []
+    for name, report in reports.items():
+        seen = releases(report)
+        p50, p99 = percentile(seen, 0.5), percentile(seen, 0.99)
+        left = sum(phase.left for phase in report.phases)
+        leaked = sum(phase.leaked for phase in report.phases)
+        failed = sum(phase.failed for phase in report.phases)
+        rows.append(
+            (
+                name,
+                str(left),
+                _ms(p50),
+                _ms(p99),
+                _ms(seen[-1] if seen else None),
+                f"{leaked} / {failed}",
+                _ratio(p50, base_p50),
+                _ratio(p99, base_p99),
+            )
+        )
+    header = (
+        "setup",
+        "left",
+        "p50",
+        "p99",
+        "max",
+        "leaked / failed",
+        "p50 vs direct",
+        "p99 vs direct",
+    )
+    lines = [
+        "client leaves -> its worker's engine holds nothing (ms), over every way of leaving;",
+        "vs direct: the ratio to the direct worker's, from this run",
+        *table(header, rows),
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--clients", type=int, default=64, help="clients per way of leaving (default 64)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="8 clients per way, two plane combinations"
+    )
+    parser.add_argument("--json", type=Path, help="write every setup's figures here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    clients = 8 if args.quick else args.clients
+    if clients < 1:
+        raise SystemExit("--clients must be at least 1")
+    planes = [PLANES[0], PLANES[-1]] if args.quick else PLANES
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hop-cancel-") as work:
+        reports = run(clients, planes, Path(work))
+    print(format_reports(reports))
+    print(f"runtime {time.monotonic() - started:.0f} s")
+    if args.json is not None:
+        data = {
+            name: {"left": sum(p.left for p in r.phases), "release_ms": releases(r)}
+            for name, r in reports.items()
+        }
+        write_json(args.json, {"clients_per_way": clients, "setups": data})
+        print(f"wrote {args.json}")
+    leaked = sum(phase.leaked for report in reports.values() for phase in report.phases)
+    return 1 if leaked else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
