@@ -1,21 +1,22 @@
 """Cancel-to-free latency across a hop: bench-endpoint through Dynamo's frontend in cluster
-mode and through a router, beside a worker reached directly.
+mode and through a router, beside the same worker reached directly.
 
-Every setup serves the SimEngine with its default timing (first token after
-50 ms, then one every 20 ms), as processes on loopback:
+Every setup is one worker on the SimEngine with its default timing (first
+token after 50 ms, then one every 20 ms), as processes on loopback, so that
+only the hop differs:
 
-- ``direct``: one ``trio-sglang serve``, the baseline;
-- ``smg`` and ``sglang-router``: two ``serve`` workers behind the router, round robin;
+- ``direct``: a ``trio-sglang serve``, the baseline;
+- ``smg`` and ``sglang-router``: a ``serve`` behind the router;
 - ``dynamo <request plane>/<event plane>``: etcd and nats-server, Dynamo's
-  frontend and three ``trio-sglang dynamo-worker`` processes with etcd discovery,
-  for each combination of planes.
+  frontend and a ``trio-sglang dynamo-worker`` with etcd discovery, for each
+  combination of planes.
 
 For each, ``trio-sglang bench-endpoint`` sends clients that leave in its eight
 ways (before the headers, before the first token, at it, mid-stream; each with
 a FIN and with a reset), ``--clients`` of each, 8 at once, and reads each
-release from the workers' own gauges. The table: per setup, every release's
-p50 / p99 / max, what was leaked, and the p50 and p99 as ratios to the direct
-worker's from the same run. The setups run one after another, never two at once.
+release from the worker's own gauges. The table: per setup, every release's
+p50 / p99 / max, what was leaked or failed, and the p50 and p99 as ratios to
+the direct worker's from the same run. The setups run one after another.
 """
 
 from __future__ import annotations
@@ -67,14 +68,13 @@ def direct(log_dir: Path) -> Iterator[Setup]:
 
 @contextlib.contextmanager
 def behind_router(log_dir: Path, router: str) -> Iterator[Setup]:
-    workers = start_workers([f"{router}-a", f"{router}-b"], log_dir)
-    processes = [process for process, _ in workers]
+    ((worker, worker_url),) = start_workers([f"{router}-worker"], log_dir)
+    processes = [worker]
     try:
-        urls = [url for _, url in workers]
-        args = ("--policy", "round_robin", "--log-level", "warn")
-        process, url = start_router(log_dir, urls, *args, watched=processes, router=router)
+        args = ("--log-level", "warn")
+        process, url = start_router(log_dir, [worker_url], *args, watched=[worker], router=router)
         processes.append(process)
-        yield Setup(router, url, [f"{worker}/metrics" for worker in urls])
+        yield Setup(router, url, [f"{worker_url}/metrics"])
     finally:
         for process in reversed(processes):
             process.stop()
@@ -82,19 +82,15 @@ def behind_router(log_dir: Path, router: str) -> Iterator[Setup]:
 
 @contextlib.contextmanager
 def behind_dynamo(log_dir: Path, daemons: Daemons, planes: tuple[str, str]) -> Iterator[Setup]:
-    """The frontend and three workers of one model, named after the planes (etcd is shared)."""
+    """The frontend and a worker of a model named after the planes (etcd is shared)."""
     folder = log_dir / "-".join(planes)
     folder.mkdir()
     model = f"sim-{'-'.join(planes)}"
     with Deployment(folder, env=cluster_env(daemons, *planes)) as deployment:
         url = deployment.start_frontend()
-        metrics = []
-        for index in range(3):
-            port = free_port()
-            command = deployment.trio_worker_command(model, port)
-            deployment.start_worker(f"w{index}", command, model)
-            metrics.append(f"http://127.0.0.1:{port}/metrics")
-        yield Setup(f"dynamo {'/'.join(planes)}", url, metrics, model)
+        port = free_port()
+        deployment.start_worker("worker", deployment.trio_worker_command(model, port), model)
+        yield Setup(f"dynamo {'/'.join(planes)}", url, [f"http://127.0.0.1:{port}/metrics"], model)
 
 
 def bench(setup: Setup, out: Path, clients: int) -> Report:
@@ -133,12 +129,19 @@ def run(clients: int, planes: Sequence[tuple[str, str]], work: Path) -> dict[str
     return reports
 
 
-def releases(report: Report) -> list[float]:
-    return sorted(ms for phase in report.phases for ms in phase.release_ms)
+#: The ways of leaving the table shows apart: FIN and reset together.
+LEAVES = ("before_headers", "before_first_token", "first_token", "mid_stream")
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def releases(report: Report, leave: str | None = None) -> list[float]:
+    """Every release of ``report`` (of clients that left in ``leave``, if given), sorted."""
+    phases = [p for p in report.phases if leave is None or p.name.startswith(f"{leave}:")]
+    return sorted(ms for phase in phases for ms in phase.release_ms)
+
+
+def _p50_p99(values: list[float]) -> str:
+    p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
+    return "-" if p50 is None or p99 is None else f"{p50:.1f} / {p99:.1f}"
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -150,35 +153,26 @@ def format_reports(reports: dict[str, Report]) -> str:
     base_p50, base_p99 = percentile(base, 0.5), percentile(base, 0.99)
     rows = []
     for name, report in reports.items():
-        seen = releases(report)
-        p50, p99 = percentile(seen, 0.5), percentile(seen, 0.99)
-        left = sum(phase.left for phase in report.phases)
+        every = releases(report)
         leaked = sum(phase.leaked for phase in report.phases)
         failed = sum(phase.failed for phase in report.phases)
         rows.append(
             (
                 name,
-                str(left),
-                _ms(p50),
-                _ms(p99),
-                _ms(seen[-1] if seen else None),
+                str(sum(phase.left for phase in report.phases)),
+                *(_p50_p99(releases(report, leave)) for leave in LEAVES),
+                _p50_p99(every),
                 f"{leaked} / {failed}",
-                _ratio(p50, base_p50),
-                _ratio(p99, base_p99),
+                _ratio(percentile(every, 0.5), base_p50),
+                _ratio(percentile(every, 0.99), base_p99),
             )
         )
     header = (
-        "setup",
-        "left",
-        "p50",
-        "p99",
-        "max",
-        "leaked / failed",
-        "p50 vs direct",
-        "p99 vs direct",
+        *("setup", "left", "before headers", "before token", "at 1st token", "mid-stream"),
+        *("every leave", "leaked / failed", "p50 vs direct", "p99 vs direct"),
     )
     lines = [
-        "client leaves -> its worker's engine holds nothing (ms), over every way of leaving;",
+        "client leaves -> its worker's engine holds nothing, ms (p50 / p99, FIN and reset);",
         "vs direct: the ratio to the direct worker's, from this run",
         *table(header, rows),
     ]
@@ -210,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"runtime {time.monotonic() - started:.0f} s")
     if args.json is not None:
         data = {
-            name: {"left": sum(p.left for p in r.phases), "release_ms": releases(r)}
+            name: {
+                "left": sum(p.left for p in r.phases),
+                "release_ms": {leave: releases(r, leave) for leave in LEAVES},
+                "leaked": sum(p.leaked for p in r.phases),
+            }
             for name, r in reports.items()
         }
         write_json(args.json, {"clients_per_way": clients, "setups": data})
