@@ -177,7 +177,7 @@ def test_a_malformed_request_is_refused_not_guessed() -> None:
     with pytest.raises(InvalidRequest, match="'sampling_options' must be an object"):
         engine_request({**CAPTURED, "sampling_options": [1]})
     with pytest.raises(InvalidRequest, match="JSON object"):
-        engine_request([])  # type: ignore[arg-type]
+        engine_request([])
 
 
 def test_chunks_carry_usage_on_each_choices_first_and_last_and_abort_reads_cancelled() -> None:
@@ -279,7 +279,7 @@ def test_a_text_endpoint_needs_no_tokenizer_and_the_input_is_one_dynamo_has(
 ) -> None:
     assert DynamoEndpoint("m", model_path=tmp_path, model_input="text").model_input == "text"
     with pytest.raises(ValueError, match="model_input 'bytes'"):
-        DynamoEndpoint("m", model_input="bytes")  # type: ignore[arg-type]
+        DynamoEndpoint("m", model_input="bytes")
 
 
 def test_the_sim_tokenizer_is_the_sim_engines_vocabulary() -> None:
@@ -696,3 +696,42 @@ def test_the_commands_defaults() -> None:
 def test_the_command_offers_each_model_input(model_input: str) -> None:
     argv = ["dynamo-worker", "--model-name", "m", "--model-input", model_input]
     assert build_parser().parse_args(argv).model_input == model_input
+
+
+# -- the runtime's endpoint server stopping by itself -------------------------------------
+
+
+class _Inline:
+    """An ``AsyncioHost`` for calls that never touch asyncio: awaited here, in trio."""
+
+    loop: Any = None
+
+    async def aio(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        return await call()
+
+
+def _served(fails: Exception | None) -> Any:
+    async def serve_endpoint(generate: Any) -> None:
+        if fails is not None:
+            raise fails
+
+    return types.SimpleNamespace(serve_endpoint=serve_endpoint)
+
+
+async def test_an_endpoint_the_runtime_could_not_register_stops_the_worker_in_one_line() -> None:
+    """etcd gone while the endpoint registers: Dynamo's runtime raises a bare ``Exception``."""
+    from trio_sglang.dynamo._serve import RuntimeStopped, _serve_endpoint
+
+    bridge = types.SimpleNamespace(generate=None)
+    failure = Exception("Unable to register service for discovery. Check discovery service status")
+    with pytest.raises(RuntimeStopped, match="could not serve the endpoint: Unable to register"):
+        await _serve_endpoint(_Inline(), _served(failure), bridge, trio.Event())
+    with pytest.raises(RuntimeStopped, match="stopped serving the endpoint by itself"):
+        await _serve_endpoint(_Inline(), _served(None), bridge, trio.Event())
+    # At shutdown, the end of serving is expected, and an error stays what it is.
+    shutdown = trio.Event()
+    shutdown.set()
+    await _serve_endpoint(_Inline(), _served(None), bridge, shutdown)
+    with pytest.raises(Exception, match="Unable to register") as raised:
+        await _serve_endpoint(_Inline(), _served(failure), bridge, shutdown)
+    assert not isinstance(raised.value, RuntimeStopped)

@@ -157,9 +157,15 @@ async def _serve_endpoint(
     lease (etcd unreachable for longer than ``ETCD_LEASE_TTL``): the frontend
     has dropped this worker by then, and nothing registers it again. The
     process ends then, as Dynamo's frontend does, so that whatever supervises
-    it starts it afresh.
+    it starts it afresh; so it does when the runtime fails to register the
+    endpoint in the first place (etcd unreachable just then).
     """
-    await host.aio(partial(served.serve_endpoint, bridge.generate))
+    try:
+        await host.aio(partial(served.serve_endpoint, bridge.generate))
+    except Exception as exc:  # the runtime's own: discovery unreachable at registration, ...
+        if shutdown.is_set():
+            raise
+        raise RuntimeStopped(f"Dynamo's runtime could not serve the endpoint: {exc}") from exc
     if not shutdown.is_set():
         raise RuntimeStopped(
             "Dynamo's runtime stopped serving the endpoint by itself (its discovery lease "

@@ -95,7 +95,7 @@ class InFlight:
                 ctx.stop()
 
     def aborted(self, ctx: RequestContext) -> bool:
-        """Whether ``/abort_request`` stopped this request."""
+        """Whether an abort stopped this request: ``/abort_request``, or its room's decode side."""
         return ctx in self._aborted
 
     def stop_all(self) -> None:
