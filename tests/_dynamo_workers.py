@@ -7,15 +7,19 @@ etcd and NATS (``test_cluster.py``).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from _processes import free_port
 
-__all__ = ["RELEASE_BOUND", "Worker", "start_worker", "wait_for"]
+__all__ = ["RELEASE_BOUND", "Worker", "run_readme_block", "start_worker", "wait_for"]
 
 #: Generous: a request nobody stopped runs for tens of seconds here.
 RELEASE_BOUND = 5.0
@@ -64,3 +68,32 @@ def wait_for(what: str, ready: Callable[[], bool], timeout: float = RELEASE_BOUN
             raise AssertionError(f"not {what} within {timeout} s")
         time.sleep(0.01)
     return time.monotonic() - start
+
+
+#: Between a README block's start of its processes and its curl: what a person does by eye.
+_WAIT_FOR_MODEL = (
+    "for _ in $(seq 600); do curl -sf http://127.0.0.1:{port}/v1/models | "
+    "grep -q trio-sglang-sim && break; sleep 0.1; done"
+)
+
+
+def run_readme_block(
+    block: str, replacements: Mapping[str, str], port: int, jobs: int, cwd: Path
+) -> Any:
+    """A README block of Dynamo processes and a curl, as written but for ``replacements``
+    (``port`` is the frontend's), this environment standing in for ``.venv-dynamo``;
+    the curl's answer, once the ``jobs`` background processes are stopped."""
+    script = block.replace(".venv-dynamo/bin/", f"{Path(sys.executable).parent}/")
+    for old, new in replacements.items():
+        script = script.replace(old, new)
+    script = script.replace("\ncurl", f"\n{_WAIT_FOR_MODEL.format(port=port)}\ncurl")
+    stop = " ".join(f"%{job}" for job in range(1, jobs + 1))
+    done = subprocess.run(
+        ["bash", "-c", f"set -e\ncd {cwd}\n{script}\nkill {stop}; wait"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

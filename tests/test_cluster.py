@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from _dynamo_workers import RELEASE_BOUND, Worker, start_worker, wait_for
+from _dynamo_workers import RELEASE_BOUND, Worker, run_readme_block, start_worker, wait_for
 from _processes import free_port, wait_until
 from _readme import readme_block
 
@@ -139,27 +139,16 @@ def leave_after_two_chunks(deployment: Deployment, workers: list[Worker]) -> flo
 
 def test_the_readmes_cluster_commands_run_as_written(daemons: Daemons, tmp_path: Path) -> None:
     """The export, the frontend, the three workers and the curl, on this test's etcd and
-    nats-server; this environment stands in for .venv-dynamo."""
+    nats-server."""
     block = readme_block("bash", "DYN_DISCOVERY_BACKEND=etcd")
     port = free_port()
-    bin_dir = Path(sys.executable).parent
-    script = (
-        block.replace("http://127.0.0.1:2379", daemons.etcd_url)
-        .replace("nats://127.0.0.1:4222", daemons.nats_url)
-        .replace("8000", str(port))
-        .replace("910$i", f"{free_decade()}$i")
-        .replace(".venv-dynamo/bin/", f"{bin_dir}/")
-        .replace("\ncurl", f"\n{WAIT_FOR_WORKERS.format(port=port)}\ncurl")
-    )
-    done = subprocess.run(
-        ["bash", "-c", f"set -e\ncd {tmp_path}\n{script}\nkill %1 %2 %3 %4; wait"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    replacements = {
+        "http://127.0.0.1:2379": daemons.etcd_url,
+        "nats://127.0.0.1:4222": daemons.nats_url,
+        "8000": str(port),
+        "910$i": f"{free_decade()}$i",
+    }
+    answer = run_readme_block(block, replacements, port, jobs=4, cwd=tmp_path)
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == 5
     assert daemons.instances("backend") == 0  # all three unregistered at their SIGTERM
@@ -178,14 +167,6 @@ def free_decade() -> int:
             continue
         return decade
     raise AssertionError("no three free ports in a row")
-
-
-#: Between the README's start of the processes and its curl: what a person does by eye
-#: (the model is listed once one worker is up; the three are in etcd).
-WAIT_FOR_WORKERS = (
-    "for _ in $(seq 600); do curl -sf http://127.0.0.1:{port}/v1/models | "
-    "grep -q trio-sglang-sim && break; sleep 0.1; done"
-)
 
 
 def test_the_kv_router_on_the_nats_event_plane(

@@ -31,7 +31,7 @@ from urllib.parse import unquote
 import httpx
 import pytest
 
-from _dynamo_workers import Worker, start_worker, wait_for
+from _dynamo_workers import Worker, run_readme_block, start_worker, wait_for
 from _readme import ROOT, readme_block
 
 pytest.importorskip("dynamo.runtime", reason="needs the dynamo extra (nox -s dynamo)")
@@ -411,35 +411,17 @@ def test_the_worker_refuses_a_model_folder_without_a_tokenizer(tmp_path: Path) -
 
 
 def test_the_readmes_commands_run_as_written(deployment: Any, local: Any, tmp_path: Path) -> None:
-    """The export, the two processes and the curl; this environment stands in for .venv-dynamo."""
-    block = readme_block("bash", "export DYN_DISCOVERY_BACKEND")
-    port, metrics = local.free_port(), local.free_port()
-    bin_dir = Path(sys.executable).parent
-    script = (
-        block.replace("/tmp/dynamo-discovery", str(tmp_path / "discovery"))
-        .replace("8000", str(port))
-        .replace("9100", str(metrics))
-        .replace(".venv-dynamo/bin/", f"{bin_dir}/")
-        .replace("\ncurl", f"\n{WAIT_FOR_MODEL.format(port=port)}\ncurl")
-    )
-    done = subprocess.run(
-        ["bash", "-c", f"set -e\n{script}\nkill %1 %2; wait"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    """The export, the two processes and the curl."""
+    block = readme_block("bash", "export DYN_DISCOVERY_BACKEND=file")
+    port = local.free_port()
+    replacements = {
+        "/tmp/dynamo-discovery": str(tmp_path / "discovery"),
+        "8000": str(port),
+        "9100": str(local.free_port()),
+    }
+    answer = run_readme_block(block, replacements, port, jobs=2, cwd=tmp_path)
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == 5
-
-
-#: Between the README's start of the two processes and its curl: what a person does by eye.
-WAIT_FOR_MODEL = (
-    "for _ in $(seq 600); do curl -sf http://127.0.0.1:{port}/v1/models | "
-    "grep -q trio-sglang-sim && break; sleep 0.1; done"
-)
 
 
 def test_the_readmes_install_is_what_nox_installs() -> None:
