@@ -47,6 +47,7 @@ from _processes import Process, free_port, healthy, start_router, start_workers,
 from _readme import readme_block
 from conftest import read
 from trio_sglang.server import HTTPPrefill, ServerLimits, open_http_kv_rooms, serve
+from trio_sglang.server._inflight import InFlight, bootstrap_rooms
 from trio_sglang.server._kv_rooms import ROOMS_PATH, KVRoomsApp
 
 PREFILL_ARGS = (
@@ -480,6 +481,26 @@ async def test_a_prefill_leg_whose_decode_side_aborted_stops_at_once(prefill: Se
     assert before.event("abort_applied") == 1
     assert before.event("kv_sent") == before.event("kv_failed") == 0
     assert before.value("trio_sglang_requests_total", outcome="aborted") == 1
+
+
+def test_a_prefill_server_finds_its_requests_by_room_while_they_are_in_flight() -> None:
+    inflight = InFlight()
+    one = inflight.add("one", 1, bootstrap_rooms({"bootstrap_room": 7}))
+    batch = inflight.add("batch", 2, bootstrap_rooms({"bootstrap_room": [8, 9]}))
+    roomless = inflight.add("roomless", 1, bootstrap_rooms({}))
+    inflight.stop_room(9)  # a room of the batch: the whole request stops, as aborted
+    assert (one.stopped, batch.stopped, roomless.stopped) == (False, True, False)
+    assert inflight.aborted(batch)
+    assert not inflight.aborted(one)
+    inflight.discard(one)
+    inflight.stop_room(7)  # its request has ended: nothing left in that room
+    assert not one.stopped
+    again = inflight.add("again", 1, (7,))  # a room is free again once its request ended
+    inflight.stop_room(7)
+    assert again.stopped
+    for ctx in (batch, roomless, again):
+        inflight.discard(ctx)
+    assert inflight.children == 0
 
 
 async def _idle(server: Server) -> bool:

@@ -43,7 +43,6 @@ __all__ = [
     "PrefillLeg",
     "PrefillPeer",
     "Role",
-    "bootstrap_rooms",
     "needs_prefill_leg",
     "new_bootstrap",
     "peer_cancels_anytime",
@@ -185,14 +184,6 @@ def _check_bootstrap(parsed: ParsedRequest, role: Role) -> None:
             "a decode worker needs bootstrap_host with bootstrap_room: where the prefill "
             "side's bootstrap server is"
         )
-
-
-def bootstrap_rooms(body: dict[str, Any]) -> tuple[int, ...]:
-    """The bootstrap rooms a checked request names: one, one per prompt of a batch, or none."""
-    value = body.get("bootstrap_room")
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (value,)
 
 
 class PrefillLeg:

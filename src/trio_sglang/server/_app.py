@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from .._core._context import RequestContext
-from .._core._disagg import PrefillPeer, bootstrap_rooms
+from .._core._disagg import PrefillPeer
 from .._core._worker import PreparedRequest, ResponseStream, Worker
 from .._engine import ChatTemplating
 from .._errors import EngineError, EngineShutdown, InvalidRequest
@@ -47,7 +47,7 @@ from ._asgi import (
 from ._connection import DropReason, current_connection
 from ._errors import HTTPError, error_body, method_not_allowed
 from ._hosted import HostedRoutes
-from ._inflight import InFlight, abort_target
+from ._inflight import InFlight, abort_target, bootstrap_rooms
 from ._kv_rooms import ROOMS_PATH, KVRoomsApp
 from ._metrics import Outcome, ServerMetrics
 from ._outbox import Heartbeats, Outbox

@@ -30,7 +30,7 @@ from typing import Any
 from .._core._context import RequestContext
 from ._errors import HTTPError
 
-__all__ = ["InFlight", "abort_target"]
+__all__ = ["InFlight", "abort_target", "bootstrap_rooms"]
 
 
 class InFlight:
@@ -124,3 +124,11 @@ def abort_target(body: dict[str, Any]) -> str | None:
             param="rid",
         )
     return rid
+
+
+def bootstrap_rooms(body: dict[str, Any]) -> tuple[int, ...]:
+    """The bootstrap rooms a checked request names: one, one per prompt of a batch, or none."""
+    value = body.get("bootstrap_room")
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
