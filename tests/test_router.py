@@ -851,6 +851,42 @@ def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_
         assert (deltas(after, cancelled), aborted_after - aborted_requests) == ([1, 1], 0)
 
 
+def test_behind_the_router_in_pd_mode_a_client_whose_prefill_waits_in_the_queue_stops_both(
+    pd: PD, record_property: Callable[[str, object], None]
+) -> None:
+    """The second of two long prompts waits for the prefill server's one forward at a time;
+    its client leaves there. Its legs stop, and the first request's carry on."""
+    wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
+    chunks = pd.events("prefill_chunk")[0]
+    body = {**generate_body(50), "text": PD_PROMPT}
+    with contextlib.closing(post_raw(pd.router, "/generate", body)) as first:
+        wait_for(
+            "the first prompt prefilling",
+            lambda: pd.events("prefill_chunk")[0] > chunks,
+            TIMEOUT,
+        )
+        with contextlib.closing(post_raw(pd.router, "/generate", body)):
+            wait_for(
+                "both requests at both servers",
+                lambda: live(pd.prefill) == 2 and live(pd.decode) == 2,
+                TIMEOUT,
+            )
+            left = time.monotonic()
+        wait_for(
+            "the second request gone from both servers",
+            lambda: live(pd.prefill) == 1 and live(pd.decode) == 1,
+            HEARTBEAT_BOUND,
+        )
+        took = time.monotonic() - left
+        # The first is still being prefilled: one forward at a time, 25 in all, so the
+        # second never had one.
+        assert pd.events("prefill_chunk")[0] - chunks < len(PD_PROMPT.split()) / 4
+        assert nothing_received(first) is not pd.behaviour.keeps_the_prefill_leg
+    wait_for("both servers idle, no room left", lambda: pd_idle(pd), HEARTBEAT_BOUND)
+    print(f"PD: client gone while its prefill waited -> its legs gone: {took:.3f} s")
+    record_property("pd_waiting_let_go_s", round(took, 3))
+
+
 def test_behind_the_router_in_pd_mode_a_client_gone_in_a_decode_gap_is_let_go_within_a_heartbeat(
     pd: PD, record_property: Callable[[str, object], None]
 ) -> None:
