@@ -1,9 +1,13 @@
-"""Two ``trio-sglang serve`` workers behind SGLang's own router (the ``sglang-router`` package).
+"""Two ``trio-sglang serve`` workers behind SGLang's routers: sglang-router and smg.
 
+Every test runs behind each router of ``ROUTERS`` in turn: sglang-router
+0.3.2 (``python -m sglang_router.launch_router``) and smg, its successor
+(``smg launch``), which take the same options for what is used here.
 Everything runs as real processes on loopback: two workers on the SimEngine
-with a slow token interval, and ``python -m sglang_router.launch_router``
-with round robin in front of them. Streams go through the router to the end,
-and clients that close mid-stream must leave nothing live on either worker.
+with a slow token interval, and the router with round robin in front of them.
+Streams go through the router to the end, and clients that close mid-stream
+must leave nothing live on either worker. Where the two routers differ, the
+tests read the router's row of ``BEHAVIOURS``.
 
 What sglang-router 0.3.x does with a worker (measured with a TCP tap):
 
@@ -34,6 +38,12 @@ What sglang-router 0.3.x does with a worker (measured with a TCP tap):
   (with a ``content-length``), so bytes a worker sent early (leading
   whitespace) would never reach the client; measured with a stub worker, see
   docs/serving.md.
+
+smg 1.13 registers a worker the same way, sends no abort either, and sees a
+client's close at once, with or without a write; in PD mode it answers a
+stream's headers at once and keeps the prefill leg's connection open when
+the client leaves, which the prefill server's rooms make up for
+(docs/serving.md, docs/disaggregation.md).
 
 The heartbeat tests run clusters of their own (a 5 s first token, 2 s
 between tokens, heartbeats off), and a prefill/decode pair behind the router
