@@ -52,6 +52,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, 
         "--max-running-requests",
         "16",
         "--enable-metrics",
+        # A thinking chat streams reasoning_content (the tiny model never writes <think>).
+        "--reasoning-parser",
+        "qwen3",
         timeout=240,
     )
     try:
@@ -193,41 +196,62 @@ def test_what_the_lifecycle_cannot_run_is_a_501_naming_it(
     assert scheduler_holds(url) == 0
 
 
-#: Streams of SGLang's other routes, each long enough that only a stop ends it early.
+#: Streams of SGLang's other routes, each long enough that only a stop ends it early: the
+#: route, and its body (``MODEL`` stands for the served model's name).
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-OTHER_STREAMS = {
-    "/v1/messages": {
-        "model": "tiny-llama",
-        "max_tokens": 3000,
-        "messages": [{"role": "user", "content": "hello"}],
-        # Anthropic's API has no ignore_eos: greedy, the tiny model never says EOS here.
-        "temperature": 0,
-        "stream": True,
-    },
-    "/v1/chat/completions": {
-        "messages": [{"role": "user", "content": "hello"}],
-        "tools": TOOLS,
-        "tool_choice": "auto",
-        "max_tokens": 3000,
-        "ignore_eos": True,
-        "stream": True,
-    },
+MODEL = "served model"
+HELLO = [{"role": "user", "content": "hello"}]
+OTHER_STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Anthropic's API has no ignore_eos: greedy, the tiny model never says EOS here.
+    "messages": (
+        "/v1/messages",
+        {"model": "tiny-llama", "max_tokens": 3000, "messages": HELLO, "temperature": 0},
+    ),
+    "chat with tools": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 3000},
+    ),
+    "thinking chat": (
+        "/v1/chat/completions",
+        {
+            "messages": HELLO,
+            "chat_template_kwargs": {"enable_thinking": True},
+            "separate_reasoning": True,
+            "max_tokens": 3000,
+        },
+    ),
+    # The Responses API has no ignore_eos either.
+    "responses": (
+        "/v1/responses",
+        {"model": MODEL, "input": "hello", "max_output_tokens": 3000, "temperature": 0},
+    ),
 }
 
 
-@pytest.mark.parametrize("path", OTHER_STREAMS)
+@pytest.mark.parametrize("name", OTHER_STREAMS)
 def test_a_client_leaving_sglangs_other_routes_stops_the_real_scheduler(
-    server: tuple[Process, str], path: str
+    server: tuple[Process, str], name: str
 ) -> None:
-    """Anthropic's Messages API, and a chat with tools: SGLang's own routes, each of
-    whose requests runs through the lifecycle."""
+    """Anthropic's Messages API, a chat with tools, a thinking chat (reasoning_content),
+    the Responses API: SGLang's own routes, each of whose requests runs through the
+    lifecycle."""
     _, url = server
-    with httpx.stream("POST", f"{url}{path}", json=OTHER_STREAMS[path], timeout=60) as response:
-        assert response.status_code == 200
+    path, body = OTHER_STREAMS[name]
+    body = {**body, "stream": True}
+    if body.get("model") == MODEL:
+        body["model"] = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+    if path == "/v1/chat/completions":
+        body["ignore_eos"] = True
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
         stream = events(response)
-        next(stream), next(stream)
+        first, second = next(stream), next(stream)
         decoding_within(url, STOPPED_WITHIN)  # for the client, still here
     wait_idle(url, STOPPED_WITHIN)
+    if name == "thinking chat":  # what SGLang's reasoning parser made of the tokens
+        assert second["choices"][0]["delta"].get("reasoning_content"), (first, second)
+    if name == "responses":
+        assert first["type"] == "response.created", first
 
 
 def test_sigterm_ends_the_server_and_sglangs_processes(server: tuple[Process, str]) -> None:
