@@ -1,14 +1,17 @@
 """An HTTP server on the real TokenizerManager and the stand-in scheduler: SGLang's, or ``serve``.
 
     python benchmarks/_sglang_http.py --workdir DIR --token-interval S \
-        [--first-token-delay S] [--slow-tokenize S] [--server {sglang,trio-sglang}]
+        [--first-token-delay S] [--slow-tokenize S] [--server {sglang,trio-sglang,hosted}]
 
 What ``serve_throughput.py --sglang`` measures beside ``serve`` and the floor,
 and what ``release_servers.py`` compares on each SGLang release. SGLang's own
 server (the default) is started as ``launch_server`` starts it
 (``_setup_and_run_http_server``: its FastAPI app, its OpenAI handlers, its
 warm-up, uvicorn on uvloop); ``--server trio-sglang`` is trio-sglang's
-``serve`` over ``SGLangEngine``. Either runs on the real ``TokenizerManager``
+``serve`` over ``SGLangEngine`` with its own routes, and ``--server hosted``
+the same with SGLang's server application hosted (``serve --engine sglang``'s
+way: SGLang's routes, trio-sglang's connection and lifecycle). Each runs on the
+real ``TokenizerManager``
 built as the GPU-free harness builds it (``trio_sglang_harness.open_tokenizer_manager``,
 for whichever SGLang release is installed) and the harness's stand-in
 scheduler in place of the GPU scheduler and the detokenizer: a process of its
@@ -21,7 +24,8 @@ A prompt that starts with ``_http_servers_cpu.SLOW_PROMPT`` is tokenized
 /trio_sglang/states`` with ``{"states": N}``, the size of its TokenizerManager's
 ``rid_to_state`` (``serve`` has the ``trio_sglang_engine_live_requests`` gauge).
 
-It prints ``serving sglang on http://HOST:PORT`` (or ``serving trio-sglang``)
+It prints ``serving sglang on http://HOST:PORT`` (or ``serving trio-sglang``,
+``serving hosted``)
 once the server answers (the line ``_load_server`` waits for), and stops on
 SIGINT or SIGTERM. Needs the ``sglang`` extra, and what SGLang's HTTP server
 imports beside it (``soundfile``, ``python-multipart``).
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import sys
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-interval", type=float, required=True, help="seconds")
     parser.add_argument("--first-token-delay", type=float, default=0.0, help="seconds")
     parser.add_argument("--slow-tokenize", type=float, default=0.5, help="seconds")
-    parser.add_argument("--server", choices=["sglang", "trio-sglang"], default="sglang")
+    parser.add_argument("--server", choices=["sglang", "trio-sglang", "hosted"], default="sglang")
     args = parser.parse_args(argv)
     slow_down(args.slow_tokenize)
     with open_tokenizer_manager(
@@ -56,32 +61,41 @@ def main(argv: list[str] | None = None) -> int:
         first_token_delay=args.first_token_delay,
         token_interval=args.token_interval,
     ) as hosted:
-        if args.server == "trio-sglang":
-            _serve(hosted)
-        else:
+        if args.server == "sglang":
             _sglang_server(hosted)
+        else:
+            _serve(hosted, host_app=args.server == "hosted")
     return 0
 
 
-def _serve(hosted: HostedTokenizerManager) -> None:
+def _serve(hosted: HostedTokenizerManager, *, host_app: bool) -> None:
     import trio
 
     from trio_sglang import SGLangEngine
     from trio_sglang.server import serve
 
     port = free_port()
-    engine = SGLangEngine(tokenizer_manager=hosted.tokenizer_manager)
-    print(f"INFO serving trio-sglang on http://127.0.0.1:{port}", flush=True)
-    trio.run(lambda: serve(engine, host="127.0.0.1", port=port))
-
-
-def _sglang_server(hosted: HostedTokenizerManager) -> None:
-    # Imported here, once the start-up has told the hub libraries to stay offline.
-    from sglang.srt.entrypoints import http_server
-
     tm = hosted.tokenizer_manager
-    # The port, and no warm-up request (the benchmark warms every server up alike).
-    port = free_port()
+    if host_app:
+        _configure(tm, port)
+        engine = SGLangEngine(tokenizer_manager=tm, template_manager=hosted.templates)
+    else:
+        engine = SGLangEngine(tokenizer_manager=tm)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            start = partial(serve, engine, host="127.0.0.1", port=port, host_app=host_app)
+            (url,) = await nursery.start(start)
+            if host_app:  # as SGLang's server does once up (see announce below)
+                await trio.to_thread.run_sync(_freeze_gc, url)
+            print(f"INFO serving {'hosted' if host_app else 'trio-sglang'} on {url}", flush=True)
+
+    trio.run(run)
+
+
+def _configure(tm: Any, port: int) -> None:
+    """SGLang's server arguments: ``port``, and no warm-up request (the benchmark warms
+    every server up alike)."""
     try:
         from sglang.srt.runtime_context import get_context
     except ImportError:
@@ -99,6 +113,15 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
     elif override is None:
         tm.server_args.port, tm.server_args.skip_server_warmup = port, True
 
+
+def _sglang_server(hosted: HostedTokenizerManager) -> None:
+    # Imported here, once the start-up has told the hub libraries to stay offline.
+    from sglang.srt.entrypoints import http_server
+
+    tm = hosted.tokenizer_manager
+    port = free_port()
+    _configure(tm, port)
+
     def states() -> dict[str, Any]:
         return {"states": len(tm.rid_to_state)}
 
@@ -110,8 +133,7 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
         # before 0.5.17 call this without a warm-up before uvicorn listens.
         url = f"http://127.0.0.1:{port}"
         wait_until(f"SGLang's server on {url} to answer", lambda: _answers(url), 60)
-        with urllib.request.urlopen(urllib.request.Request(f"{url}/freeze_gc", method="POST")):
-            pass
+        _freeze_gc(url)
         print(f"INFO serving sglang on {url}", flush=True)
 
     http_server._setup_and_run_http_server(
@@ -123,6 +145,11 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
         None,
         launch_callback=announce,
     )
+
+
+def _freeze_gc(url: str) -> None:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/freeze_gc", method="POST")):
+        pass
 
 
 def _answers(url: str) -> bool:

@@ -22,8 +22,9 @@ from _verdict import MachineState, Target, judge_machine
 
 __all__ = ["SERVERS", "Cell", "Row", "ThroughputReport"]
 
-Server = Literal["serve", "floor", "sglang"]
-#: Always measured; ``sglang`` (SGLang's own server) only where SGLang is installed.
+Server = Literal["serve", "floor", "sglang", "hosted"]
+#: Always measured; ``sglang`` (SGLang's own server) and ``hosted`` (``serve`` hosting
+#: SGLang's application) only where SGLang is installed.
 SERVERS: tuple[Server, ...] = ("serve", "floor")
 
 #: The targets (issue 16): at this many streams, serve's CPU per chunk.
@@ -118,6 +119,8 @@ class Row:
     floor: Side
     #: SGLang's own server, when the run measured it.
     sglang: Side | None = None
+    #: ``serve`` hosting SGLang's application over the same work, when measured.
+    hosted: Side | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -125,7 +128,7 @@ class Row:
 
     @property
     def sides(self) -> list[Side]:
-        return [self.serve, self.floor, *([] if self.sglang is None else [self.sglang])]
+        return [self.serve, self.floor, *(s for s in (self.sglang, self.hosted) if s is not None)]
 
     def to_json(self) -> dict[str, Any]:
         sglang = {}
@@ -135,6 +138,10 @@ class Row:
                 "ratio_sglang_over_floor": _ratio_of(self.sglang, self.floor),
                 "ratio_serve_over_sglang": _ratio_of(self.serve, self.sglang),
             }
+        if self.hosted is not None:
+            sglang["hosted"] = self.hosted.to_json()
+            if self.sglang is not None:
+                sglang["ratio_hosted_over_sglang"] = _ratio_of(self.hosted, self.sglang)
         return {
             "streams": self.streams,
             "token_interval_s": self.token_interval,
@@ -169,6 +176,7 @@ class ThroughputReport:
             return Side.of([c for c in self.cells if c.streams == streams and c.server == server])
 
         with_sglang = any(cell.server == "sglang" for cell in self.cells)
+        with_hosted = any(cell.server == "hosted" for cell in self.cells)
         return [
             Row(
                 streams,
@@ -176,6 +184,7 @@ class ThroughputReport:
                 side(streams, "serve"),
                 side(streams, "floor"),
                 side(streams, "sglang") if with_sglang else None,
+                side(streams, "hosted") if with_hosted else None,
             )
             for streams, interval in sorted(self.intervals.items())
         ]
@@ -281,6 +290,7 @@ class ThroughputReport:
                 groups=[("", 2), ("serve", 4), ("floor", 2), ("", 2)],
             ),
             *self._sglang_lines(),
+            *self._hosted_lines(),
             "",
             "targets and checks:",
             *target_lines(self.targets()),
@@ -310,6 +320,24 @@ class ThroughputReport:
             ),
         ]
 
+    def _hosted_lines(self) -> list[str]:
+        rows = [row for row in self.rows() if row.hosted is not None]
+        if not rows:
+            return []
+        return [
+            "",
+            *wrap(
+                "serve hosting SGLang's application (serve --engine sglang's way: SGLang's "
+                "routes, trio-sglang's connection and lifecycle), over the same TokenizerManager "
+                "and stand-in scheduler:"
+            ),
+            "",
+            *table(
+                ["streams", "chunks/s", "us/chunk", "tok/chunk", "beats/s", "hosted/sglang"],
+                [_hosted_cells(row) for row in rows],
+            ),
+        ]
+
     def markdown(self) -> str:
         """This benchmark's section of ``summary.md``."""
         header = [
@@ -329,11 +357,14 @@ class ThroughputReport:
                 _us(row.floor.us_per_chunk),
                 _ratio(row.ratio),
                 *([] if row.sglang is None else _sglang_markdown(row, row.sglang)),
+                *([] if row.hosted is None else _hosted_markdown(row, row.hosted)),
             ]
             for row in self.rows()
         ]
         if any(row.sglang is not None for row in self.rows()):
             header += ["SGLang µs/chunk", "SGLang/floor", "serve/SGLang"]
+        if any(row.hosted is not None for row in self.rows()):
+            header += ["hosted µs/chunk", "hosted/SGLang"]
         return "\n".join(
             [
                 "## Serving throughput",
@@ -383,6 +414,26 @@ def _sglang_markdown(row: Row, sglang: Side) -> list[str]:
         _us(sglang.us_per_chunk),
         _ratio(_ratio_of(sglang, row.floor)),
         _ratio(_ratio_of(row.serve, sglang)),
+    ]
+
+
+def _hosted_markdown(row: Row, hosted: Side) -> list[str]:
+    return [
+        _us(hosted.us_per_chunk),
+        "-" if row.sglang is None else _ratio(_ratio_of(hosted, row.sglang)),
+    ]
+
+
+def _hosted_cells(row: Row) -> list[str]:
+    assert row.hosted is not None
+    hosted, tokens = row.hosted, row.hosted.tokens_per_chunk
+    return [
+        f"{row.streams:,}",
+        f"{hosted.chunks_per_s:,.0f}",
+        _us(hosted.us_per_chunk),
+        "-" if tokens is None else f"{tokens:.2f}",
+        f"{hosted.heartbeats / hosted.window_s:,.0f}" if hosted.window_s else "-",
+        "-" if row.sglang is None else _ratio(_ratio_of(hosted, row.sglang)),
     ]
 
 

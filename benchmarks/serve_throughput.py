@@ -91,11 +91,19 @@ class Config:
     stop_timeout: float = 10.0
     #: Also SGLang's own HTTP server (``_sglang_http.py``); it takes longer to start.
     sglang: bool = False
+    #: Also ``serve`` hosting SGLang's application (``serve --engine sglang``'s way) over
+    #: the same TokenizerManager and stand-in scheduler as SGLang's own server.
+    hosted: bool = False
     sglang_start_timeout: float = 180.0
 
     @property
     def servers(self) -> tuple[Server, ...]:
-        return (*SERVERS, "sglang") if self.sglang else SERVERS
+        more: list[Server] = []
+        if self.sglang:
+            more.append("sglang")
+        if self.hosted:
+            more.append("hosted")
+        return (*SERVERS, *more)
 
     def interval(self, streams: int) -> float:
         return streams / self.rate
@@ -203,13 +211,15 @@ async def _servers(
                 )
             ),
         }
-        if config.sglang:
-            workdir = events.parent / f"sglang-{streams}"
+        for name in ("sglang", "hosted"):
+            if name not in config.servers:
+                continue
+            workdir = events.parent / f"{name}-{streams}"
             workdir.mkdir()
-            servers["sglang"] = await stack.enter_async_context(
+            servers[name] = await stack.enter_async_context(
                 _open_server(
                     config,
-                    config.sglang_args(streams, workdir),
+                    [*config.sglang_args(streams, workdir), "--server", name],
                     [sys.executable, str(SGLANG)],
                     config.sglang_start_timeout,
                 )
@@ -242,7 +252,7 @@ async def run_benchmark(config: Config, progress: Progress) -> ThroughputReport:
                         )
                         reading = await read_streams(servers[name], streams, config)
                         report.cells.append(Cell(name, streams, round_, reading))
-                        if name == "serve":  # the streams' cleanup is over before the next cell
+                        if name in ("serve", "hosted"):  # the streams' cleanup is over
                             await servers[name].settle(config.settle_timeout)
                         progress.step_done()
     report.runtime_s = time.perf_counter() - started
@@ -310,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also SGLang's own HTTP server, on the GPU-free harness's stand-in scheduler "
         "(needs the sglang extra, soundfile and python-multipart; see _sglang_http.py)",
     )
+    parser.add_argument(
+        "--hosted",
+        action="store_true",
+        help="also serve hosting SGLang's application (serve --engine sglang's way) over the "
+        "same TokenizerManager and stand-in scheduler (needs what --sglang needs)",
+    )
     add_file_options(parser, "serve_throughput.json and its section of summary.md")
     return parser
 
@@ -318,7 +334,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     config = QUICK if args.quick else FULL
     chosen = {
         name: getattr(args, name)
-        for name in ("rate", "max_tokens", "endpoint", "rounds", "warmup", "window", "sglang")
+        for name in (
+            *("rate", "max_tokens", "endpoint", "rounds", "warmup", "window", "sglang", "hosted"),
+        )
         if getattr(args, name) is not None
     }
     if args.streams:

@@ -32,10 +32,15 @@ def bench() -> Iterator[Any]:
         import _output
         import _sse_client
         import _sse_floor
+        import _throughput_report
         import serve_throughput
 
         yield SimpleNamespace(
-            client=_sse_client, floor=_sse_floor, runner=serve_throughput, output=_output
+            client=_sse_client,
+            floor=_sse_floor,
+            runner=serve_throughput,
+            output=_output,
+            report=_throughput_report,
         )
 
 
@@ -160,3 +165,33 @@ async def test_a_tiny_run_beside_sglangs_own_server(bench: Any) -> None:
     assert row.sglang.failures == 0
     assert "SGLang 0.5.23's own HTTP server" in report.format()
     assert report.to_json({})["rows"][0]["ratio_sglang_over_floor"] is not None
+
+
+@pytest.mark.sglang
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_a_tiny_run_of_serve_hosting_sglangs_application_beside_sglangs_server(
+    bench: Any,
+) -> None:
+    """``--hosted``: ``serve --engine sglang``'s way over the same TokenizerManager and
+    stand-in scheduler as SGLang's own server, read as the others are."""
+    sglang = pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
+    if sglang.__version__ != bench.report.SGLANG_VERSION:
+        pytest.skip(f"serve hosts the application of SGLang {bench.report.SGLANG_VERSION}")
+    config = bench.runner.Config(
+        streams=(3,),
+        rate=300.0,
+        max_tokens=4,
+        rounds=1,
+        warmup=0.5,
+        window=0.6,
+        sglang=True,
+        hosted=True,
+    )
+    steps = bench.runner.progress_steps(config)
+    report = await bench.runner.run_benchmark(config, bench.output.Progress(steps, io.StringIO()))
+    [row] = report.rows()
+    assert row.hosted is not None
+    assert row.hosted.chunks > 0
+    assert row.hosted.failures == 0
+    assert "serve hosting SGLang's application" in report.format()
+    assert report.to_json({})["rows"][0]["ratio_hosted_over_sglang"] is not None

@@ -87,7 +87,8 @@ class SGLangEngine:
 
     Give exactly one of: ``engine`` (an ``sglang.Engine`` you own),
     ``tokenizer_manager`` (a ``TokenizerManager`` built without an Engine, as
-    the GPU-free harness does), or SGLang server arguments (``model_path=...``
+    the GPU-free harness does, with its ``template_manager`` if SGLang's server
+    application is to be hosted over it), or SGLang server arguments (``model_path=...``
     and any other ``ServerArgs`` field, as ``sglang.Engine`` takes them), in
     which case ``running()`` launches an ``sglang.Engine`` in a thread (the
     trio loop goes on while the model loads) and shuts it down at the end.
@@ -102,6 +103,7 @@ class SGLangEngine:
         *,
         engine: Any = None,
         tokenizer_manager: Any = None,
+        template_manager: Any = None,
         poll_interval: float = 0.0005,
         **server_args: Any,
     ) -> None:
@@ -109,6 +111,10 @@ class SGLangEngine:
         if given != 1:
             raise ValueError(
                 "give exactly one of engine=, tokenizer_manager= or SGLang server arguments"
+            )
+        if template_manager is not None and tokenizer_manager is None:
+            raise ValueError(
+                "template_manager= goes with tokenizer_manager= (an sglang.Engine has its own)"
             )
         if not (isinstance(poll_interval, int | float) and 0 < poll_interval < math.inf):
             raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
@@ -118,6 +124,7 @@ class SGLangEngine:
             server_args = with_cpu_defaults(server_args)
         self._engine = engine
         self._tm = tokenizer_manager if tokenizer_manager is not None else None
+        self._templates = template_manager
         self._server_args = server_args
         self._poller = PhasePoller(self.phase, float(poll_interval))
         self._running = False
@@ -301,11 +308,11 @@ class SGLangEngine:
 
     @property
     def template_manager(self) -> Any:
-        """The template manager an ``sglang.Engine`` loaded its ``--chat-template`` into.
-
-        ``None`` over a bare ``tokenizer_manager``: SGLang's chat route then
-        uses the model's own template.
-        """
+        """The template manager an ``sglang.Engine`` loaded its ``--chat-template`` into, or
+        the one given beside a bare ``tokenizer_manager`` (SGLang's OpenAI routes need one
+        when its server application is hosted); else ``None``."""
+        if self._templates is not None:
+            return self._templates
         return getattr(self._engine, "template_manager", None)
 
     def render_chat(
