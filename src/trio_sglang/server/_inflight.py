@@ -89,7 +89,7 @@ class InFlight:
     def stop_room(self, room: int) -> None:
         """The decode side of ``room`` aborted: stop the requests in it (a room is one
         request's, but nothing stops two clients from naming the same one)."""
-        for ctx in self._by_room.get(room, ()):
+        for ctx in list(self._by_room.get(room, ())):
             if not ctx.cancelled:
                 self._aborted.add(ctx)
                 ctx.stop()
