@@ -1,5 +1,10 @@
 """Dynamo in cluster mode: etcd discovery, NATS planes, three workers, a worker's death.
 
+Per pair of planes: requests spread, 1,000 clients leaving (bench-endpoint
+through the frontend), a worker stopped with SIGTERM and one killed, etcd
+restarted and lost. Beside them: the KV-aware router on the NATS event plane,
+the README's cluster block as written, and ``hop_cancel.py --quick``.
+
 etcd and nats-server run on loopback (``benchmarks/_cluster_daemons.py``),
 Dynamo's frontend and three ``trio-sglang dynamo-worker`` processes
 (SimEngine, one model, one pool) with etcd discovery, Dynamo 1.6.1's default,
