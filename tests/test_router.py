@@ -731,10 +731,11 @@ def test_clients_see_the_same_chunks_with_heartbeats_on_and_off(
 
 # -- a prefill/decode pair behind the router in PD mode -------------------------------------
 #
-# The router sends one body to both servers and answers nothing before the
-# prefill server has; then it streams the decode server's answer. A client gone
+# The router sends one body to both servers. sglang-router answers nothing before
+# the prefill server has, then streams the decode server's answer: a client gone
 # during the prefill is noticed at once (nothing answered yet, heartbeats or
-# not); one gone in a gap of the decode stream, at the next heartbeat.
+# not); one gone in a gap of the decode stream, at the next heartbeat. smg
+# answers at once and keeps the prefill leg open (``BEHAVIOURS``).
 
 #: 0.05 s per prompt token in forwards of 4: a PD_PROMPT of 100 words prefills in 5 s,
 #: and a cancel takes effect after the forward in progress (0.2 s).
@@ -824,7 +825,7 @@ def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_
 ) -> None:
     """sglang-router has answered nothing yet, so it sees the client gone at once and drops
     both legs. smg has answered the stream's headers (the decode server's heartbeats follow),
-    drops the decode leg at the next of them, and keeps the prefill leg open: the decode
+    lets the decode leg go within a heartbeat, and keeps the prefill leg open: the decode
     side's abort notification stops that one, at the prefill server."""
     wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
     requests = "trio_sglang_requests_total"
