@@ -24,7 +24,6 @@ A request left decoding is let run to its end before the next client.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from _http_servers_cpu import SLOW_PROMPT
 from _output import write_json
 from _server_sweep import close_after
 from _subprocesses import Process, healthy, wait_until
+from trio_sglang_harness import logged_since
 
 HERE = Path(__file__).resolve().parent
 MAX_NEW_TOKENS = 400
@@ -106,12 +106,6 @@ def _url(process: Process) -> str | None:
     return None if found is None else found.group(1)
 
 
-def _events(log: Path, since: int) -> list[dict[str, Any]]:
-    with log.open("rb") as f:
-        f.seek(since)
-        return [json.loads(line) for line in f.read().splitlines() if line.strip()]
-
-
 def _fates(events: list[dict[str, Any]]) -> dict[str, str]:
     """Each request the scheduler received: "decoding", "aborted" or "finished"."""
     fates: dict[str, str] = {}
@@ -134,13 +128,13 @@ def one_client(server: Server, phase: str) -> tuple[int, int, int]:
     params = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "n": n}
     closed = close_after(server.url, {"text": prompt, "sampling_params": params}, after, chunks)
     time.sleep(max(0.0, closed + WINDOW - time.monotonic()))
-    fates = _fates(_events(server.log, since))
+    fates = _fates(logged_since(server.log, since))
     states_left = server.states() - states_before
     left = sum(fate == "decoding" for fate in fates.values())
     if left:  # let it end before the next client, so that each one is counted alone
         wait_until(
             "the requests left decoding to end",
-            lambda: "decoding" not in _fates(_events(server.log, since)).values(),
+            lambda: "decoding" not in _fates(logged_since(server.log, since)).values(),
             60,
         )
     return len(fates), left, states_left

@@ -11,11 +11,14 @@ sweep runs it again. Here the stall is a watcher that never sees the phase.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import trio
 
 import trio_sglang as ts
 from trio_sglang import RequestPhase
+from trio_sglang_harness import logged_since
 from trio_sglang_harness._scenarios import RidRecorder, Scenario, run_scenario
 
 REQUEST = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
@@ -56,3 +59,15 @@ async def test_a_cancel_whose_phase_went_by_unseen_says_so(
     assert seen.missed is stalled
     assert (seen.stream_close is None) is stalled
     assert seen.chunks == (3 if stalled else 0)  # uncancelled, it ran to its end
+
+
+def test_the_stand_in_schedulers_log_is_read_to_its_last_complete_line(tmp_path: Path) -> None:
+    """The scheduler writes while a benchmark reads: a line without its newline yet is left
+    for the next read, not parsed half-written."""
+    log = tmp_path / "scheduler.jsonl"
+    log.write_bytes(b'{"kind": "old"}\n{"kind": "request", "rid": "a"}\n{"kind": "fini')
+    offset = len(b'{"kind": "old"}\n')
+    assert logged_since(log, offset) == [{"kind": "request", "rid": "a"}]
+    with log.open("ab") as f:
+        f.write(b'shed", "rid": "a"}\n')
+    assert logged_since(log, offset)[-1] == {"kind": "finished", "rid": "a"}

@@ -27,6 +27,7 @@ benchmark runs SGLang's own HTTP server on it.
 
 from ._chat import ChatPrompts
 from ._harness import Caller, SGLangHarness, open_sglang_harness
+from ._host import logged_since
 from ._peer import DisaggSetup
 from ._scenarios import (
     CallerStream,
@@ -51,6 +52,7 @@ __all__ = [
     "SGLangHarness",
     "Scenario",
     "build_tiny_model",
+    "logged_since",
     "observe_caller",
     "observe_on_sim",
     "open_sglang_harness",

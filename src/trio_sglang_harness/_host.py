@@ -84,12 +84,22 @@ class _SchedulerView:
     held: Callable[[], Awaitable[int]] | None = None
 
 
+def logged_since(log: Path, offset: int) -> list[dict[str, Any]]:
+    """The stand-in scheduler's events in ``log`` from byte ``offset`` on: its complete lines.
+
+    The scheduler writes while this reads; a last line without its newline is
+    still being written, and is left for the next read.
+    """
+    with log.open("rb") as f:
+        f.seek(offset)
+        written = f.read()
+    complete = written[: written.rfind(b"\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
 def _logged(log: Path, since: os.stat_result) -> list[dict[str, Any]]:
     """What the scheduler logged after ``since`` (the log's size then)."""
-    with log.open("rb") as f:
-        f.seek(since.st_size)
-        lines = f.read().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    return logged_since(log, since.st_size)
 
 
 def _stand_in_view(log: Path) -> _SchedulerView:
