@@ -148,7 +148,8 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
 
 
 def _freeze_gc(url: str) -> None:
-    with urllib.request.urlopen(urllib.request.Request(f"{url}/freeze_gc", method="POST")):
+    request = urllib.request.Request(f"{url}/freeze_gc", method="POST")
+    with urllib.request.urlopen(request, timeout=30):
         pass
 
 
