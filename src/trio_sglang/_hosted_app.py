@@ -66,6 +66,15 @@ class Feed(Protocol):
         """The next output; ``trio.EndOfChannel`` once there are no more (then see ``end``)."""
         ...
 
+    def receive_nowait(self) -> dict[str, Any]:
+        """``receive`` without waiting, for an app on another loop: ``trio.WouldBlock``
+        while the next output is not there yet."""
+        ...
+
+    def when_changed(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once, when an output comes or the feed ends (``Handoff``)."""
+        ...
+
     @property
     def end(self) -> FeedEnd | None:
         """How the request ended, once it has (``None`` before)."""

@@ -40,13 +40,14 @@ import json
 import logging
 import threading
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 
 from ._errors import InvalidRequest
+from ._handoff import Handoff, aio_receive, aio_send
 from ._hosted_app import EXCHANGE_KEY, Exchange, Feed, HostedApp, HTTPRefusal
 from ._increments import IncrementQueue
 
@@ -123,8 +124,23 @@ class _SGLangApp:
         self.no_transfer_host: str | None = no_transfer_host
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        # SGLang's app runs on asyncio, and calls back into trio for the connection.
-        await self._run_app(scope, _in_trio(receive), _in_trio(send))
+        # SGLang's app runs on asyncio, and calls back into trio for the connection:
+        # the request's body and the client's leaving through trio_as_aio (a call per
+        # request), each message of its response through a handoff (one per chunk).
+        sender = _Sender()
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.send_all, send)
+            try:
+                await self._run_app(scope, _in_trio(receive), sender)
+            except Exception as exc:  # raised as itself, once what was handed over is sent
+                failure = exc
+            finally:
+                sender.outbox.close()
+        if failure is None:
+            failure = sender.error  # a failed send the app did not meet: not lost
+        if failure is not None:
+            raise failure
 
     def metrics(self) -> bytes:
         """SGLang's metrics with ``--enable-metrics``, as its ``/metrics`` would show them.
@@ -159,6 +175,41 @@ class _Families:
 
     def collect(self) -> Any:
         return iter(self._families)
+
+
+class _Sender:
+    """The hosted app's ``send``: its messages handed to a trio task, which sends them in order.
+
+    The app goes on while its last message is being written, as on uvicorn,
+    and waits only while the one before is not taken yet. A message that
+    cannot be sent fails the app's next ``send``, with the error as its cause.
+    """
+
+    def __init__(self) -> None:
+        self.outbox: Handoff[Any] = Handoff()
+        self.error: Exception | None = None
+
+    async def __call__(self, message: Any) -> None:
+        """asyncio: hand ``message`` over."""
+        try:
+            await aio_send(self.outbox, message)
+        except trio.ClosedResourceError:
+            error, self.error = self.error, None  # the app has it now
+            raise OSError("the response could not be sent") from error
+
+    async def send_all(self, send: Callable[[Any], Awaitable[None]]) -> None:
+        """trio: send every message handed over, until the outbox closes or a send fails."""
+        while True:
+            try:
+                message = await self.outbox.receive()
+            except trio.EndOfChannel:
+                return
+            try:
+                await send(message)
+            except Exception as exc:
+                self.error = exc
+                self.outbox.close()
+                return
 
 
 def _import_http_server() -> Any:
@@ -277,10 +328,9 @@ class _LifecycleTokenizerManager:
             raise HTTPException(exc.status, str(exc), headers=exc.headers) from exc
         incremental = bool(self._tm.server_args.incremental_streaming_output)
         outputs = _Outputs(feed, incremental=incremental)
-        receive = _in_trio(feed.receive)
         while True:
             try:
-                out = await receive()
+                out = await aio_receive(feed)
             except trio.EndOfChannel:
                 break
             if obj.stream:

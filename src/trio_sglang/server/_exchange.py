@@ -3,9 +3,10 @@
 The hosted application (SGLang's own server, ``_hosted_app.py``) builds each
 engine request; this starts it through the worker's lifecycle, in a task of
 the HTTP request's own nursery, and hands its outputs over one at a time
-(a channel of no capacity: while the route is busy sending, the engine's
-outputs wait in SGLang's TokenizerManager, which merges a backlog as it
-does for its own server). Each request is in flight under its public id
+(a ``Handoff``, which the route on trio-asyncio's loop reads without a
+trio task per output: while the route is busy sending, one output waits
+there and the rest in SGLang's TokenizerManager, which merges a backlog as
+it does for its own server). Each request is in flight under its public id
 (``InFlight``: ``/abort_request`` finds it) from its start to the end of
 the HTTP request, and is admitted as ``serve``'s own routes admit theirs: the
 server's limit of engine requests in flight, its shutdown, an id in flight.
@@ -27,6 +28,7 @@ from .._core._context import RequestContext
 from .._core._outputs import PublicIds
 from .._core._worker import PreparedRequest, Worker
 from .._errors import EngineError, EngineShutdown
+from .._handoff import Handoff
 from .._hosted_app import FeedEnd, HTTPRefusal
 from ._admission import Admission
 from ._asgi import Scope
@@ -39,8 +41,8 @@ __all__ = ["HTTPExchange"]
 class _Feed:
     """One engine request's outputs, from the lifecycle's task to the hosted route."""
 
-    def __init__(self, receive: trio.MemoryReceiveChannel[dict[str, Any]], ids: PublicIds) -> None:
-        self._receive = receive
+    def __init__(self, ids: PublicIds) -> None:
+        self.outputs: Handoff[dict[str, Any]] = Handoff()
         self.ids = ids.children or (ids.request,)
         self.single = not ids.children
         self.end: FeedEnd | None = None
@@ -49,9 +51,17 @@ class _Feed:
         self.delivered = False
 
     async def receive(self) -> dict[str, Any]:
-        out = await self._receive.receive()
+        out = await self.outputs.receive()
         self.delivered = True
         return out
+
+    def receive_nowait(self) -> dict[str, Any]:
+        out = self.outputs.receive_nowait()
+        self.delivered = True
+        return out
+
+    def when_changed(self, callback: Callable[[], None]) -> None:
+        self.outputs.when_changed(callback)
 
 
 class HTTPExchange:
@@ -102,36 +112,34 @@ class HTTPExchange:
         self._contexts.append(ctx)
         if self.left:
             ctx.kill()
-        send, receive = trio.open_memory_channel[dict[str, Any]](0)
-        feed = _Feed(receive, PublicIds.for_request(parsed, ctx.id))
+        feed = _Feed(PublicIds.for_request(parsed, ctx.id))
         self.feeds.append(feed)
-        self._nursery.start_soon(self._run, prepared, ctx, send, feed)
+        self._nursery.start_soon(self._run, prepared, ctx, feed)
         return feed
 
     async def _run(
         self,
         prepared: PreparedRequest,
         ctx: RequestContext,
-        send: trio.MemorySendChannel[dict[str, Any]],
         feed: _Feed,
     ) -> None:
         end: FeedEnd = "left"  # unless it gets further: cancelled with its HTTP request
-        async with send:  # closed once ``end`` is set: the route reads it at the channel's end
-            try:
-                async with self._worker.generate(prepared, ctx, output="native") as chunks:
-                    async for out in chunks:
-                        await send.send(out)
-                end = "finished"
-            except EngineShutdown:
-                end = "shutdown"
-            except EngineError as exc:  # already logged once by the worker, with its ids
-                end, feed.error = "failed", exc
-            finally:
-                if ctx.killed:
-                    end = "left"
-                elif ctx.stopped:
-                    end = "aborted" if self._inflight.aborted(ctx) else "shutdown"
-                feed.end = end
+        try:
+            async with self._worker.generate(prepared, ctx, output="native") as chunks:
+                async for out in chunks:
+                    await feed.outputs.send(out)
+            end = "finished"
+        except EngineShutdown:
+            end = "shutdown"
+        except EngineError as exc:  # already logged once by the worker, with its ids
+            end, feed.error = "failed", exc
+        finally:
+            if ctx.killed:
+                end = "left"
+            elif ctx.stopped:
+                end = "aborted" if self._inflight.aborted(ctx) else "shutdown"
+            feed.end = end
+            feed.outputs.close()  # once ``end`` is set: the route reads it at the end
 
     def leave(self) -> None:
         """The client is gone: every request it started stops, and no other starts."""
