@@ -177,6 +177,23 @@ async def test_the_real_tokenizer_manager_takes_every_field_the_lifecycle_passes
     assert seen.finish_reasons[-1] == "length"
 
 
+async def test_every_token_reaches_the_caller_once_whichever_way_the_release_streams(
+    tmp_path: Path,
+) -> None:
+    """The harness's TokenizerManager streams increments; releases before 0.5.17 keep that
+    flag in their server arguments only, and a stream read as cumulative lost every token
+    after the first (its deltas taken as whole texts)."""
+    request = {"text": "hi", "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    async with open_sglang_harness(
+        workdir=tmp_path, first_token_delay=0.05, token_interval=0.02
+    ) as harness:
+        with trio.fail_after(60):
+            seen = await harness.run(Scenario("every-token", request, "native"))
+    assert seen.finish_reasons[-1] == "length"
+    assert len(seen.output_ids) == 5, seen
+    assert len(seen.text.split()) == 5, seen.text
+
+
 async def test_an_engine_whose_tokenizer_manager_is_a_router_is_refused_in_one_line() -> None:
     """An Engine with ``tokenizer_worker_num`` above 1 holds only a router on older releases."""
     with warnings.catch_warnings():

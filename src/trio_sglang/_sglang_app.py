@@ -50,6 +50,7 @@ from ._errors import InvalidRequest
 from ._handoff import Handoff, aio_receive, aio_send
 from ._hosted_app import EXCHANGE_KEY, Exchange, Feed, HostedApp, HTTPRefusal
 from ._increments import IncrementQueue
+from ._sglang_semantics import streams_increments
 
 __all__ = ["hosted_sglang_app"]
 
@@ -326,7 +327,7 @@ class _LifecycleTokenizerManager:
             if exc.status == 400:  # the checks SGLang makes too, in its words: as its own
                 raise ValueError(str(exc)) from exc
             raise HTTPException(exc.status, str(exc), headers=exc.headers) from exc
-        incremental = bool(self._tm.server_args.incremental_streaming_output)
+        incremental = streams_increments(self._tm)
         outputs = _Outputs(feed, incremental=incremental)
         while True:
             try:

@@ -59,6 +59,7 @@ from ._sglang_semantics import (
     detect_semantics,
     engine_keeps_a_tokenizer,
     require_supported,
+    streams_increments,
 )
 
 __all__ = ["SGLangEngine"]
@@ -555,7 +556,7 @@ class _SGLangStream:
         rid = str(meta.get("id"))
         reason = meta.get("finish_reason")
         self._note(rid, RequestPhase.DISPATCHED if reason is None else RequestPhase.ABSENT)
-        incremental = getattr(self._engine.tokenizer_manager, "incremental_streaming_output", False)
+        incremental = streams_increments(self._engine.tokenizer_manager)
         text = out.get("text")
         ids = list(out.get("output_ids") or ())
         if incremental:

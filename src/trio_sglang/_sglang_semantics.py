@@ -33,6 +33,7 @@ __all__ = [
     "detect_semantics",
     "engine_keeps_a_tokenizer",
     "require_supported",
+    "streams_increments",
 ]
 
 #: The oldest SGLang release trio-sglang stops requests on correctly.
@@ -192,6 +193,19 @@ def engine_keeps_a_tokenizer() -> bool:
         )
         for node in tree.body
     )
+
+
+def streams_increments(tm: Any) -> bool:
+    """Whether ``tm``'s streamed outputs are increments (``--incremental-streaming-output``).
+
+    From 0.5.17 the TokenizerManager keeps its own copy of the flag, and its
+    generator reads that; older ones read their server arguments' on every
+    output, and have no copy.
+    """
+    own = getattr(tm, "incremental_streaming_output", None)
+    if own is None:
+        own = getattr(getattr(tm, "server_args", None), "incremental_streaming_output", False)
+    return bool(own)
 
 
 def _version() -> str | None:

@@ -120,6 +120,9 @@ class Observation:
     #: Chunks the caller received, and their finish reasons in order.
     chunks: int = 0
     finish_reasons: list[str | None] = field(default_factory=list)
+    #: What a ``native`` caller was given: the text and the token ids, put together.
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
     #: Ids the caller saw (public ones only, if the lifecycle is right).
     ids_seen: list[str] = field(default_factory=list)
     #: Timing, for benchmarks (seconds on the scenario's clock; None if not
@@ -424,6 +427,8 @@ def _note_chunk(seen: Observation, chunk: dict[str, Any], output: OutputMode) ->
     if output == "native":
         seen.finish_reasons.append(_reason(chunk["meta_info"]["finish_reason"]))
         seen.ids_seen.append(chunk["meta_info"]["id"])
+        seen.text += chunk.get("text") or ""
+        seen.output_ids.extend(chunk.get("output_ids") or ())
     elif output == "text":
         seen.finish_reasons.append(chunk["choices"][0]["finish_reason"])
         seen.ids_seen.append(chunk["id"])
