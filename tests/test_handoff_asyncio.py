@@ -189,3 +189,31 @@ async def test_a_hosted_app_that_fails_raises_its_own_error_once_its_messages_ar
         with pytest.raises(RuntimeError, match="the route failed"):  # not in a group
             await _SGLangApp(in_asyncio(app), False, "fake")({"type": "http"}, _nothing, send)
     assert [m["type"] for m in sent] == ["http.response.start"]
+
+
+async def test_a_hosted_app_whose_client_stops_reading_holds_one_message_and_stops_when_told(
+    autojump_clock: MockClock,
+) -> None:
+    handed: list[int] = []
+    cancelled: list[bool] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            await trio.sleep_forever()  # the client takes nothing; the server's bound ends it
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            for n in range(100):
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+                handed.append(n)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async with asyncio_loop():
+        with trio.move_on_after(5) as bound:  # the server's stall bound, as it cancels
+            await _SGLangApp(in_asyncio(app), False, "fake")({"type": "http"}, _nothing, send)
+    assert bound.cancelled_caught
+    assert handed == [0, 1]  # one being written, one waiting in the outbox, no more
+    assert cancelled == [True]
