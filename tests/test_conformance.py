@@ -174,7 +174,7 @@ async def test_the_sim_and_the_real_tokenizer_manager_agree(harness: SGLangHarne
     disagreements = []
     for scenario in SCENARIOS:
         with trio.fail_after(60):
-            real = await harness.run(scenario)
+            real = await harness.run_measured(scenario)
         sim = await observe_on_sim(
             scenario, first_token_delay=FIRST_TOKEN_DELAY, token_interval=TOKEN_INTERVAL
         )
@@ -283,7 +283,7 @@ async def _observe_on_harness(
         assert cancel_anytime is (setup.role == "prefill")
         for scenario, _ in PD_SCENARIOS[setup.role]:
             with trio.fail_after(60):
-                seen[scenario.name] = await harness.run(scenario)
+                seen[scenario.name] = await harness.run_measured(scenario)
 
 
 async def _observe_on_sim() -> dict[str, Observation]:

@@ -7,6 +7,10 @@ never comes and the request runs to its end. Such a run measures no cancel,
 and must not be counted as one (once it was: "sent to the scheduler and not
 stopped", under load, on SGLang 0.5.14): it says ``missed``, and the harness
 sweep runs it again. Here the stall is a watcher that never sees the phase.
+The same holds for a cancel that comes, but so late that its abort reaches the
+scheduler after the request finished there (0.5.17's ``mid_stream``, under
+load: all six tokens sent, the abort 0.19 s after the last): the conformance
+check runs such a scenario again (``SGLangHarness.run_measured``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ import trio
 import trio_sglang as ts
 from trio_sglang import RequestPhase
 from trio_sglang_harness import logged_since
-from trio_sglang_harness._scenarios import RidRecorder, Scenario, run_scenario
+from trio_sglang_harness._scenarios import (
+    RidRecorder,
+    Scenario,
+    SchedulerEvent,
+    _aborted_after_finishing,
+    run_scenario,
+)
 
 REQUEST = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
 
@@ -71,3 +81,29 @@ def test_the_stand_in_schedulers_log_is_read_to_its_last_complete_line(tmp_path:
     with log.open("ab") as f:
         f.write(b'shed", "rid": "a"}\n')
     assert logged_since(log, offset)[-1] == {"kind": "finished", "rid": "a"}
+
+
+LATE: list[SchedulerEvent] = [
+    (0.0, "request", "r1"),
+    (0.45, "finished", "r1"),
+    (0.64, "abort", "r1"),
+    (0.64, "abort_lost", "r1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("events", "late"),
+    [
+        (LATE, True),
+        # The abort came first and stopped it: a cancel that was measured.
+        ([(0.0, "request", "r1"), (0.3, "abort", "r1"), (0.3, "abort_applied", "r1")], False),
+        # Never aborted (uncancelled, or released before it was sent): nothing to say.
+        ([(0.0, "request", "r1"), (0.45, "finished", "r1")], False),
+        # An abort by the parent's prefix, for children that had all finished.
+        ([(0.0, "request", "p_1"), (0.4, "finished", "p_1"), (0.5, "abort", "p")], True),
+    ],
+)
+def test_an_abort_that_reached_the_scheduler_after_the_request_finished_is_told(
+    events: list[SchedulerEvent], late: bool
+) -> None:
+    assert _aborted_after_finishing(events) is late

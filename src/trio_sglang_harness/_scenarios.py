@@ -141,7 +141,8 @@ class Observation:
     raised: str | None = None
     #: The cancel was to come at a phase the request went through unseen (a
     #: machine that stalled longer than the phase lasts), so it never came and
-    #: the request ran uncancelled: this run measures no cancel.
+    #: the request ran uncancelled; or it came, but its abort reached the
+    #: scheduler only after the request had finished there: this run measures no cancel.
     missed: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -297,7 +298,10 @@ async def observe_caller(
     before = engine.live_requests()
     cancelled_at = await _run_request(open_stream, engine, scenario, seen, clock)
     await _settle(engine, scenario, settle)
-    _observe_scheduler(seen, scheduler_events(), engine.live_requests() - before, cancelled_at)
+    events = scheduler_events()
+    _observe_scheduler(seen, events, engine.live_requests() - before, cancelled_at)
+    if scenario.cancel in _DURING_THE_REQUEST and _aborted_after_finishing(events):
+        seen.missed = True
     return seen
 
 
@@ -309,6 +313,28 @@ async def _settle(engine: Watched, scenario: Scenario, settle: float) -> None:
             while engine.live_requests():  # noqa: ASYNC110 (see the docstring)
                 await trio.sleep(_IDLE_POLL)
     await trio.sleep(max(settle, scenario.observe_for))
+
+
+#: Cancels aimed at a moment before the scheduler has finished the request.
+_DURING_THE_REQUEST: tuple[CancelPhase, ...] = (
+    "tokenizing",
+    "dispatched",
+    "mid_stream",
+    "consumer_leaves",
+)
+
+
+def _aborted_after_finishing(events: list[SchedulerEvent]) -> bool:
+    """Whether an abort reached the scheduler only after the request it was for had finished
+    there (a stalled caller: the cancel came, too late to stop anything)."""
+    finished = {rid: t for t, kind, rid in events if kind == "finished"}
+    applied = {rid for _, kind, rid in events if kind == "abort_applied"}
+    return any(
+        kind == "abort" and rid.startswith(prefix) and t > done
+        for t, kind, prefix in events
+        for rid, done in finished.items()
+        if rid not in applied
+    )
 
 
 def _observe_scheduler(
