@@ -12,7 +12,7 @@ on the two servers, so a stream is compared put together (the harness's
 TokenizerManager streams increments: both streams' events are joined).
 
 Marked ``sglang``: it runs in ``nox -s sglang`` and on each release of
-``nox -s sglang-matrix``. About 30 s a release.
+``nox -s sglang-matrix``. About 50 s a release.
 """
 
 from __future__ import annotations
