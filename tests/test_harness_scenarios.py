@@ -101,6 +101,17 @@ LATE: list[SchedulerEvent] = [
         ([(0.0, "request", "r1"), (0.45, "finished", "r1")], False),
         # An abort by the parent's prefix, for children that had all finished.
         ([(0.0, "request", "p_1"), (0.4, "finished", "p_1"), (0.5, "abort", "p")], True),
+        # One child had finished, the other was stopped: that run measured a cancel.
+        (
+            [
+                (0.0, "request", "p_1"),
+                (0.0, "request", "p_2"),
+                (0.4, "finished", "p_1"),
+                (0.5, "abort", "p"),
+                (0.5, "abort_applied", "p_2"),
+            ],
+            False,
+        ),
     ],
 )
 def test_an_abort_that_reached_the_scheduler_after_the_request_finished_is_told(

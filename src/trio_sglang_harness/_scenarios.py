@@ -325,15 +325,16 @@ _DURING_THE_REQUEST: tuple[CancelPhase, ...] = (
 
 
 def _aborted_after_finishing(events: list[SchedulerEvent]) -> bool:
-    """Whether an abort reached the scheduler only after the request it was for had finished
-    there (a stalled caller: the cancel came, too late to stop anything)."""
-    finished = {rid: t for t, kind, rid in events if kind == "finished"}
-    applied = {rid for _, kind, rid in events if kind == "abort_applied"}
+    """Whether the cancel stopped nothing because it came too late: no abort was applied,
+    and one reached the scheduler only after a request it was for had finished there (a
+    stalled caller). A run where any abort was applied measured a cancel."""
+    if any(kind == "abort_applied" for _, kind, _ in events):
+        return False
+    finished = [(rid, t) for t, kind, rid in events if kind == "finished"]
     return any(
         kind == "abort" and rid.startswith(prefix) and t > done
         for t, kind, prefix in events
-        for rid, done in finished.items()
-        if rid not in applied
+        for rid, done in finished
     )
 
 
