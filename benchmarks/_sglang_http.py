@@ -1,7 +1,8 @@
 """An HTTP server on the real TokenizerManager and the stand-in scheduler: SGLang's, or ``serve``.
 
     python benchmarks/_sglang_http.py --workdir DIR --token-interval S \
-        [--first-token-delay S] [--slow-tokenize S] [--server {sglang,trio-sglang,hosted}]
+        [--first-token-delay S] [--slow-tokenize S] [--server {sglang,trio-sglang,hosted}] \
+        [--loop {guest,trio-asyncio}]
 
 What ``serve_throughput.py --sglang`` measures beside ``serve`` and the floor,
 and what ``release_servers.py`` compares on each SGLang release. SGLang's own
@@ -10,8 +11,9 @@ server (the default) is started as ``launch_server`` starts it
 warm-up, uvicorn on uvloop); ``--server trio-sglang`` is trio-sglang's
 ``serve`` over ``SGLangEngine`` with its own routes, and ``--server hosted``
 the same with SGLang's server application hosted (``serve --engine sglang``'s
-way: SGLang's routes, trio-sglang's connection and lifecycle). Each runs on the
-real ``TokenizerManager``
+way: SGLang's routes, trio-sglang's connection and lifecycle); both run trio
+as the guest of uvloop, or with ``--loop trio-asyncio`` trio-asyncio's loop
+inside trio, as ``serve --loop`` does. Each runs on the real ``TokenizerManager``
 built as the GPU-free harness builds it (``trio_sglang_harness.open_tokenizer_manager``,
 for whichever SGLang release is installed) and the harness's stand-in
 scheduler in place of the GPU scheduler and the detokenizer: a process of its
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-token-delay", type=float, default=0.0, help="seconds")
     parser.add_argument("--slow-tokenize", type=float, default=0.5, help="seconds")
     parser.add_argument("--server", choices=["sglang", "trio-sglang", "hosted"], default="sglang")
+    parser.add_argument("--loop", choices=["guest", "trio-asyncio"], default="guest")
     args = parser.parse_args(argv)
     slow_down(args.slow_tokenize)
     with open_tokenizer_manager(
@@ -64,25 +67,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.server == "sglang":
             _sglang_server(hosted)
         else:
-            _serve(hosted, host_app=args.server == "hosted")
+            _serve(hosted, host_app=args.server == "hosted", loop=args.loop)
     return 0
 
 
-def _serve(hosted: HostedTokenizerManager, *, host_app: bool) -> None:
+def _serve(hosted: HostedTokenizerManager, *, host_app: bool, loop: str) -> None:
+    import asyncio
+
     import trio
 
-    from trio_sglang import SGLangEngine
+    from trio_sglang import SGLangEngine, run_as_guest
     from trio_sglang.server import serve
 
     port = free_port()
     tm = hosted.tokenizer_manager
+    templates = {}
     if host_app:
         _configure(tm, port)
-        engine = SGLangEngine(tokenizer_manager=tm, template_manager=hosted.templates)
-    else:
-        engine = SGLangEngine(tokenizer_manager=tm)
+        templates["template_manager"] = hosted.templates
 
-    async def run() -> None:
+    async def run(host: asyncio.AbstractEventLoop | None) -> None:
+        engine = SGLangEngine(tokenizer_manager=tm, asyncio_loop=host, **templates)
         async with trio.open_nursery() as nursery:
             start = partial(serve, engine, host="127.0.0.1", port=port, host_app=host_app)
             (url,) = await nursery.start(start)
@@ -90,7 +95,10 @@ def _serve(hosted: HostedTokenizerManager, *, host_app: bool) -> None:
                 await trio.to_thread.run_sync(_freeze_gc, url)
             print(f"INFO serving {'hosted' if host_app else 'trio-sglang'} on {url}", flush=True)
 
-    trio.run(run)
+    if loop == "guest":
+        run_as_guest(run)
+    else:
+        trio.run(run, None)
 
 
 def _configure(tm: Any, port: int) -> None:

@@ -105,6 +105,15 @@ async def test_a_chat_template_on_the_sim_engine_is_one_line_on_stderr() -> None
     assert result.stderr.decode().splitlines() == ["--chat-template goes with --engine sglang"]
 
 
+async def test_a_loop_on_the_sim_engine_is_one_line_on_stderr() -> None:
+    """The SimEngine is trio alone: there is no asyncio code for trio to share the thread with."""
+    result = await run_cli("serve", "--port", "0", "--loop", "guest")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.decode().splitlines() == [
+        "--loop goes with --engine sglang: the SimEngine runs no asyncio code"
+    ]
+
+
 @pytest.mark.parametrize(
     ("hidden", "args", "message"),
     [

@@ -686,7 +686,7 @@ def test_the_command_says_what_to_install_for_the_trio_asyncio_host() -> None:
 def test_the_commands_defaults() -> None:
     args = build_parser().parse_args(["dynamo-worker", "--model-name", "m"])
     assert (args.namespace, args.component, args.endpoint) == ("dynamo", "backend", "generate")
-    assert args.loop is None  # guest, or trio-asyncio with --engine sglang
+    assert args.loop is None  # guest
     assert args.metrics_port is None
     assert args.shutdown_grace == 1.0
     assert args.model_input == "tokens"

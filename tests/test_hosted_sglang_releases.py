@@ -4,15 +4,16 @@
 (``_sglang_app.py``), on every supported release. Here both servers run on
 the installed release's real TokenizerManager and the harness's stand-in
 scheduler (``benchmarks/_sglang_http.py``: ``--server sglang``, SGLang's
-own, as ``launch_server`` starts it, and ``--server hosted``), and the same
-requests go to each. The stand-in's tokens are the same for the same
-request, so the answers must be too, up to ids and timestamps: text, token
-ids, finish reasons, usage. A stream may group its tokens into other events
-on the two servers, so a stream is compared put together (the harness's
-TokenizerManager streams increments: both streams' events are joined).
+own, as ``launch_server`` starts it, and ``--server hosted``, once on each
+asyncio loop ``serve --loop`` offers), and the same requests go to each. The
+stand-in's tokens are the same for the same request, so the answers must be
+too, up to ids and timestamps: text, token ids, finish reasons, usage. A
+stream may group its tokens into other events on the two servers, so a
+stream is compared put together (the harness's TokenizerManager streams
+increments: both streams' events are joined).
 
 Marked ``sglang``: it runs in ``nox -s sglang`` and on each release of
-``nox -s sglang-matrix``. About 50 s a release.
+``nox -s sglang-matrix``. About 70 s a release.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.sglang
 
 SGLANG_HTTP = Path(__file__).resolve().parents[1] / "benchmarks" / "_sglang_http.py"
 SERVERS = ("sglang", "hosted")
+LOOPS = ("guest", "trio-asyncio")
 #: Four tokens each (the stand-in scheduler stops at ``max_new_tokens``).
 GENERATE = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
 CHAT = {
@@ -50,21 +52,33 @@ COMPLETION = {"model": "default", "prompt": "hello", "max_tokens": 4, "ignore_eo
 
 
 @asynccontextmanager
-async def sglang_http(kind: str, workdir: Path) -> AsyncIterator[ServerProcess]:
+async def sglang_http(kind: str, workdir: Path, loop: str) -> AsyncIterator[ServerProcess]:
     command = [sys.executable, str(SGLANG_HTTP), "--workdir", str(workdir), "--server", kind]
-    args = ["--token-interval", "0.01", "--first-token-delay", "0.01"]
+    args = ["--token-interval", "0.01", "--first-token-delay", "0.01", "--loop", loop]
     async with open_server(args, start_timeout=180, http_timeout=30, command=command) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def sglang_answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """SGLang's own server's answers (its ``--loop`` is unused: uvicorn on uvloop)."""
+    return trio.run(_ask, "sglang", tmp_path_factory.mktemp("sglang"), "guest")
+
+
+@pytest.fixture(scope="module", params=LOOPS)
+def answers(
+    request: pytest.FixtureRequest,
+    sglang_answers: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, dict[str, Any]]:
     """Each server's answers to the same requests (the servers run one after the other)."""
-    return {kind: trio.run(_ask, kind, tmp_path_factory.mktemp(kind)) for kind in SERVERS}
+    loop: str = request.param
+    hosted = trio.run(_ask, "hosted", tmp_path_factory.mktemp(f"hosted-{loop}"), loop)
+    return {"sglang": sglang_answers, "hosted": hosted}
 
 
-async def _ask(kind: str, workdir: Path) -> dict[str, Any]:
-    async with sglang_http(kind, workdir) as server:
+async def _ask(kind: str, workdir: Path, loop: str) -> dict[str, Any]:
+    async with sglang_http(kind, workdir, loop) as server:
         url = server.url
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             return {

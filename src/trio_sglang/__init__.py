@@ -14,6 +14,7 @@ from ._core._reports import EngineFault, WorkerObserver
 from ._core._worker import PreparedRequest, ResponseStream, Worker, open_worker
 from ._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest
+from ._guest import run_as_guest
 from ._in_process_prefill import InProcessPrefill
 from ._kv_rooms import BootstrapAddr, KVRooms, RoomEvent
 from ._request import OutputMode
@@ -85,4 +86,5 @@ __all__ = [
     "WorkerObserver",
     "__version__",
     "open_worker",
+    "run_as_guest",
 ]

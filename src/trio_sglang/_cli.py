@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -18,11 +19,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ._asyncio_side import LOOP_KINDS
 from ._cli_fields import FieldOptions, positive_int, seconds
 from ._core._disagg import PrefillFailed
 from ._core._policy import AbortPolicy
 from ._demo import run_demo
 from ._engines import EngineOptions, open_engine
+from ._guest import run_beside_asyncio
 from ._limits import API_KEY_ENV, ServerLimits
 from ._sglang_args import add_sglang_options, refused_flag, sglang_installed, wants_sglang
 from ._sglang_semantics import UnsupportedSGLang
@@ -91,6 +94,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--port", type=int, default=8000, help="port to listen on; 0 picks a free one"
     )
     _add_engine_option(serve)
+    _add_loop_option(
+        serve,
+        "with --engine sglang, how trio shares the thread with SGLang's asyncio code: guest "
+        "(trio as the guest of uvloop, which runs SGLang at full speed) or trio-asyncio "
+        "(trio as the host; the asyncio extra) (default: guest)",
+    )
     serve.add_argument(
         "--model-path",
         help="model directory or id (default: none; --engine sglang needs one)",
@@ -162,6 +171,10 @@ def _add_engine_option(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_loop_option(command: argparse.ArgumentParser, help: str) -> None:
+    command.add_argument("--loop", choices=LOOP_KINDS, help=help)
+
+
 def _add_sglang_group(command: argparse.ArgumentParser, argv: Sequence[str]) -> None:
     """SGLang's server arguments on ``command``, when ``argv`` needs them (importing is slow)."""
     helping = any(token in ("-h", "--help") for token in argv)
@@ -205,11 +218,11 @@ def _add_dynamo_worker(
         "tokenizer and chat template (default: the SimEngine's own tiny tokenizer; --engine "
         "sglang needs one)",
     )
-    worker.add_argument(
-        "--loop",
-        choices=["guest", "trio-asyncio"],
-        help="how trio shares the thread with the runtime's asyncio: guest (trio as a guest "
-        "of uvloop) or trio-asyncio (default: guest, or trio-asyncio with --engine sglang)",
+    _add_loop_option(
+        worker,
+        "how trio shares the thread with the runtime's (and SGLang's) asyncio code: guest "
+        "(trio as the guest of uvloop, which runs it at full speed) or trio-asyncio (trio "
+        "as the host; the asyncio extra) (default: guest)",
     )
     worker.add_argument(
         "--metrics-host", default="127.0.0.1", help="address of the --metrics-port server"
@@ -444,14 +457,18 @@ def _serve(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
         if not args.model_path:
             return _refuse("--engine sglang needs --model-path")
-        if importlib.util.find_spec("trio_asyncio") is None:
-            return _refuse("--engine sglang needs trio-asyncio: pip install 'trio-sglang[asyncio]'")
+        if args.loop == "trio-asyncio" and importlib.util.find_spec("trio_asyncio") is None:
+            return _refuse(
+                "--loop trio-asyncio needs trio-asyncio: pip install 'trio-sglang[asyncio]'"
+            )
         if args.sglang_options is not None:
             refused = refused_flag(args.sglang_options.server_args(args))
             if refused is not None:
                 return _refuse(refused)
     elif args.chat_template is not None:
         return _refuse("--chat-template goes with --engine sglang")
+    elif args.loop is not None:
+        return _refuse("--loop goes with --engine sglang: the SimEngine runs no asyncio code")
     if args.prefill_url is not None and args.disaggregation_mode != "decode":
         return _refuse("--prefill-url is for a decode worker: add --disaggregation-mode decode")
     if args.prefill_bootstrap_port is not None and args.prefill_url is None:
@@ -477,7 +494,10 @@ def _serve(args: argparse.Namespace) -> int:
     refusal: str | None = None
     forced: int | None = None
     try:
-        trio.run(_serve_until_stopped, args, limits, prefill)
+        if args.engine == "sglang":
+            run_beside_asyncio(args.loop or "guest", _serve_until_stopped, args, limits, prefill)
+        else:
+            trio.run(_serve_until_stopped, None, args, limits, prefill)
     except* PrefillFailed as failed:  # the prefill server's first check
         refusal = f"the prefill server is not usable: {_first(failed)}"
     except* ListenError as failed:  # a port in use, an address not on this machine
@@ -533,9 +553,15 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 async def _serve_until_stopped(
-    args: argparse.Namespace, limits: ServerLimits, prefill: HTTPPrefill | None
+    loop: asyncio.AbstractEventLoop | None,
+    args: argparse.Namespace,
+    limits: ServerLimits,
+    prefill: HTTPPrefill | None,
 ) -> None:
     """The engine, and what one side of a disaggregated pair needs, around the server.
+
+    ``loop``: the asyncio loop this run is the guest of, where SGLang runs
+    (``None``: none, or trio-asyncio's inside the run).
 
     From here to the process's exit no SIGINT or SIGTERM meets Python's default
     handler (a traceback, or death by SIGTERM with the wrong status): ``serve``
@@ -547,17 +573,20 @@ async def _serve_until_stopped(
     for signum in _SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     with trio.open_signal_receiver(*_SIGNALS):
-        await _run_server(args, limits, prefill)
+        await _run_server(loop, args, limits, prefill)
 
 
 async def _run_server(
-    args: argparse.Namespace, limits: ServerLimits, prefill: HTTPPrefill | None
+    loop: asyncio.AbstractEventLoop | None,
+    args: argparse.Namespace,
+    limits: ServerLimits,
+    prefill: HTTPPrefill | None,
 ) -> None:
     from .server import serve
 
     async with contextlib.AsyncExitStack() as stack:
         options = _engine_options(args, peer_api_key=limits.api_key)
-        engine, hosted = await stack.enter_async_context(open_engine(options))
+        engine, hosted = await stack.enter_async_context(open_engine(options, asyncio_loop=loop))
         if prefill is not None:
             await stack.enter_async_context(prefill)
         await serve(

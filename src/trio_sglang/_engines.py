@@ -10,6 +10,7 @@ opened and closed with the engine.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -44,11 +45,13 @@ class EngineOptions:
 
 @asynccontextmanager
 async def open_engine(
-    options: EngineOptions,
+    options: EngineOptions, *, asyncio_loop: asyncio.AbstractEventLoop | None = None
 ) -> AsyncIterator[tuple[Engine, HostedKVRooms | None]]:
     """The engine, and the KV rooms its server must host (a prefill SimEngine's), for the block.
 
     The engine is not running yet: ``serve`` (``open_worker``) runs it.
+    ``asyncio_loop``: the host loop this trio run is the guest of, where an
+    SGLang engine runs SGLang's code (``None``: trio-asyncio's, inside the run).
     """
     mode = options.disaggregation_mode
     if options.kind == "sglang":
@@ -56,7 +59,7 @@ async def open_engine(
             raise ValueError("an SGLang engine needs a model_path")
         # SGLang runs its own bootstrap server (--disaggregation-bootstrap-port).
         disagg: dict[str, Any] = {} if mode is None else {"disaggregation_mode": mode}
-        yield SGLangEngine(**{**options.sglang_args, **disagg}), None
+        yield SGLangEngine(asyncio_loop=asyncio_loop, **{**options.sglang_args, **disagg}), None
         return
     async with AsyncExitStack() as stack:
         rooms: KVRooms | None = None

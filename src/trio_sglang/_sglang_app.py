@@ -3,14 +3,15 @@
 SGLang's server is its FastAPI ``app`` (``sglang.srt.entrypoints.http_server``):
 every route, its request models and their validation, the chat template,
 tool-call and reasoning parsers, usage, error bodies. Rather than write that
-again, ``serve`` runs the installed release's ``app`` itself, on
-trio-asyncio's loop, with SGLang's own start-up (its ``lifespan``: the
-``OpenAIServing*`` objects, the warm-up request) and one change: the
-TokenizerManager its routes see (``_LifecycleTokenizerManager``) is SGLang's
-own, but for ``generate_request``, which starts the request through the
-worker's lifecycle (the HTTP request's ``Exchange``, ``_hosted_app.py``) and
-hands back what the engine streamed, in the form SGLang's routes expect of
-their TokenizerManager. Everything else (``abort_request``, ``flush_cache``,
+again, ``serve`` runs the installed release's ``app`` itself, on the
+engine's asyncio loop (``SGLangEngine.asyncio_side``), with SGLang's own
+start-up (its ``lifespan``: the ``OpenAIServing*`` objects, the warm-up
+request) and one change: the TokenizerManager its routes see
+(``_LifecycleTokenizerManager``) is SGLang's own, but for
+``generate_request``, which starts the request through the worker's
+lifecycle (the HTTP request's ``Exchange``, ``_hosted_app.py``) and hands
+back what the engine streamed, in the form SGLang's routes expect of their
+TokenizerManager. Everything else (``abort_request``, ``flush_cache``,
 the registry, ``server_args``) is SGLang's TokenizerManager's, untouched.
 
 What the lifecycle hands over differs from what the TokenizerManager yields
@@ -42,10 +43,12 @@ import threading
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import trio
 
+from ._asyncio_side import TrioCalls
 from ._errors import InvalidRequest
 from ._handoff import Handoff, aio_receive, aio_send
 from ._hosted_app import EXCHANGE_KEY, Exchange, Feed, HostedApp, HTTPRefusal
@@ -68,16 +71,23 @@ _NOT_SERVED = (
 )
 #: Seconds SGLang's lifespan may take to end (it joins its warm-up thread).
 _LIFESPAN_EXIT = 10.0
+#: Where the ``TrioCalls`` of an HTTP request are, in the scope SGLang's app gets.
+TRIO_CALLS_KEY = "trio_sglang.trio_calls"
+#: The ASGI version the hosted app is told (2.4: a response's ``send`` raises
+#: ``OSError`` once the client is gone), so that Starlette streams a response
+#: without a task of its own waiting on ``receive`` for the client to leave:
+#: ``serve`` ends the request when the client leaves.
+_ASGI = {"version": "3.0", "spec_version": "2.4"}
 
 
 @asynccontextmanager
 async def hosted_sglang_app(
-    engine: Any, in_asyncio: Callable[..., Any], served_at: Callable[[], str | None]
+    engine: Any, served_at: Callable[[], str | None]
 ) -> AsyncIterator[HostedApp]:
     """SGLang's ``app`` over ``engine`` (a running ``SGLangEngine``), for the block.
 
-    ``in_asyncio(fn)`` makes an asyncio callable a trio one (the engine's
-    loop). ``served_at()`` is the URL the server listens on, once it does:
+    SGLang's code runs on the engine's asyncio loop (``asyncio_side``).
+    ``served_at()`` is the URL the server listens on, once it does:
     SGLang's warm-up request (unless ``--skip-server-warmup``) waits for it
     and goes there, as SGLang's server sends its own to itself.
     """
@@ -99,11 +109,14 @@ async def hosted_sglang_app(
         "server_args": tm.server_args,
         "execute_warmup_func": _warm_up_at(tm, served_at, stopping),
     }
+    side = engine.asyncio_side
     lifespan = app.router.lifespan_context(app)
-    await in_asyncio(lifespan.__aenter__)()
+    await side.call(lifespan.__aenter__)
     try:
         yield _SGLangApp(
-            in_asyncio(app), bool(tm.server_args.enable_metrics), http_server.FAKE_BOOTSTRAP_HOST
+            partial(side.call, app),
+            bool(tm.server_args.enable_metrics),
+            http_server.FAKE_BOOTSTRAP_HOST,
         )
     finally:
         # SGLang's lifespan joins the warm-up thread, blocking: by now the server has
@@ -111,7 +124,7 @@ async def hosted_sglang_app(
         # sent yet stops waiting for the URL.
         stopping.set()
         with trio.move_on_after(_LIFESPAN_EXIT, shield=True):
-            await in_asyncio(lifespan.__aexit__)(None, None, None)
+            await side.call(lifespan.__aexit__, None, None, None)
 
 
 class _SGLangApp:
@@ -126,18 +139,23 @@ class _SGLangApp:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # SGLang's app runs on asyncio, and calls back into trio for the connection:
-        # the request's body and the client's leaving through trio_as_aio (a call per
-        # request), each message of its response through a handoff (one per chunk).
+        # the request's body and its start through the request's TrioCalls (a task
+        # each, cancelled when the app returns), each message of its response through
+        # a handoff (one per chunk).
         sender = _Sender()
         failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender.send_all, send)
-            try:
-                await self._run_app(scope, _in_trio(receive), sender)
-            except Exception as exc:  # raised as itself, once what was handed over is sent
-                failure = exc
-            finally:
-                sender.outbox.close()
+            async with trio.open_nursery() as calls:
+                in_trio = TrioCalls(calls)
+                scope = {**scope, "asgi": _ASGI, TRIO_CALLS_KEY: in_trio}
+                try:
+                    await self._run_app(scope, partial(in_trio, receive), sender)
+                except Exception as exc:  # raised as itself, once what was handed over is sent
+                    failure = exc
+                finally:
+                    sender.outbox.close()
+                    calls.cancel_scope.cancel()
         if failure is None:
             failure = sender.error  # a failed send the app did not meet: not lost
         if failure is not None:
@@ -310,8 +328,9 @@ class _LifecycleTokenizerManager:
         from fastapi import HTTPException
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        exchange = getattr(request, "scope", {}).get(EXCHANGE_KEY)
-        if not isinstance(exchange, Exchange):
+        scope = getattr(request, "scope", {})
+        exchange, in_trio = scope.get(EXCHANGE_KEY), scope.get(TRIO_CALLS_KEY)
+        if not isinstance(exchange, Exchange) or not isinstance(in_trio, TrioCalls):
             raise RuntimeError("an SGLang route started a request outside an HTTP request")
         if not isinstance(obj, GenerateReqInput):
             # Embeddings, classification, rerank: the lifecycle runs generation only.
@@ -320,7 +339,7 @@ class _LifecycleTokenizerManager:
         # first step), on a copy: the worker's checks come after it.
         copy.deepcopy(obj).normalize_batch_and_arguments()
         try:
-            feed = await _in_trio(exchange.start)(_body_of(obj))
+            feed = await in_trio(exchange.start, _body_of(obj))
         except InvalidRequest as exc:
             raise ValueError(str(exc)) from exc
         except HTTPRefusal as exc:
@@ -360,13 +379,6 @@ class _LifecycleTokenizerManager:
             outputs.held(out)
         final = outputs.final()
         yield final[0] if feed.single else final
-
-
-def _in_trio(fn: Callable[..., Any]) -> Callable[..., Any]:
-    import trio_asyncio
-
-    wrapped: Callable[..., Any] = trio_asyncio.trio_as_aio(fn)
-    return wrapped
 
 
 def _body_of(obj: Any) -> dict[str, Any]:

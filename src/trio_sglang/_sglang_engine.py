@@ -1,11 +1,13 @@
-"""``SGLangEngine``: the real SGLang behind the engine protocol, through trio-asyncio.
+"""``SGLangEngine``: the real SGLang behind the engine protocol.
 
-SGLang is asyncio code; trio-asyncio runs an asyncio loop inside the trio run,
-so the ``TokenizerManager``'s generator and its receive loop run beside the
-worker's trio tasks in one thread. trio-asyncio comes with the ``sglang``
-extra and is imported only here, when an ``SGLangEngine`` is made or run, so
-that ``import trio_sglang`` does not need it. What this adapter does for the
-lifecycle, given how SGLang's TokenizerManager holds and releases requests:
+SGLang is asyncio code. The ``TokenizerManager``'s generator and its receive
+loop run beside the worker's trio tasks in one thread, on one of two asyncio
+loops (``_asyncio_side.py``): the host loop the trio run is the guest of
+(``asyncio_loop=``, from ``run_as_guest``: SGLang at uvloop's speed), or
+else trio-asyncio's loop, opened inside the trio run by ``running()``.
+trio-asyncio is imported only then, so that neither ``import trio_sglang``
+nor a guest run needs it. What this adapter does for the lifecycle, given how
+SGLang's TokenizerManager holds and releases requests:
 
 - ``running`` reads how the installed SGLang registers, dispatches and
   releases requests (``_sglang_semantics.py``) and refuses a release older
@@ -13,7 +15,8 @@ lifecycle, given how SGLang's TokenizerManager holds and releases requests:
 - ``generate`` builds the ``GenerateReqInput`` that ``Engine.async_generate``
   builds and pulls ``tokenizer_manager.generate_request`` one item at a time;
   a cancelled pull cancels the asyncio side, whose ``except BaseException``
-  release path then runs before the pull returns (trio-asyncio waits for it).
+  release path then runs before the pull returns (``AsyncioSide.call`` waits
+  for it).
   Where that release path is missing or forgets dispatched requests (before
   0.5.20, but 0.5.17), the stream aborts them before SGLang's close runs and
   forgets what SGLang leaves registered (``_sglang_release.py``), so every
@@ -39,12 +42,13 @@ import asyncio
 import math
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 import trio
 
+from ._asyncio_side import AsyncioSide, guest_side, open_trio_asyncio_side, trio_asyncio
 from ._echoes import Echoes
 from ._engine import EngineFeatures, RequestPhase, SchedulerEcho
 from ._hosted_app import HostedApp
@@ -70,19 +74,6 @@ T = TypeVar("T")
 _SHUTDOWN_TIMEOUT = 10.0
 
 
-def _trio_asyncio() -> Any:
-    """The ``trio_asyncio`` module, or an ``ImportError`` that says where it comes from."""
-    try:
-        import trio_asyncio
-    except ImportError as exc:
-        raise ImportError(
-            "SGLangEngine runs SGLang's asyncio code through trio-asyncio, which is not "
-            "installed: pip install 'trio-sglang[sglang]' (or 'trio-sglang[asyncio]' "
-            "beside an SGLang you installed yourself)"
-        ) from exc
-    return trio_asyncio
-
-
 class SGLangEngine:
     """The real SGLang (0.5.10 or newer), as an engine for ``open_worker``.
 
@@ -97,6 +88,9 @@ class SGLangEngine:
     SGLang is imported (``_sglang_cpu.py``), with CPU defaults under the
     arguments given. ``poll_interval`` (seconds) is how often the engine looks
     at the registry for the requests that ``wait_phase_change`` callers wait on.
+    ``asyncio_loop``: the running asyncio loop this trio run is the guest of
+    (``run_as_guest``), where SGLang's code then runs; without it, ``running()``
+    opens a trio-asyncio loop (the ``asyncio`` extra).
     """
 
     def __init__(
@@ -106,6 +100,7 @@ class SGLangEngine:
         tokenizer_manager: Any = None,
         template_manager: Any = None,
         poll_interval: float = 0.0005,
+        asyncio_loop: asyncio.AbstractEventLoop | None = None,
         **server_args: Any,
     ) -> None:
         given = sum(x is not None for x in (engine, tokenizer_manager)) + bool(server_args)
@@ -119,7 +114,9 @@ class SGLangEngine:
             )
         if not (isinstance(poll_interval, int | float) and 0 < poll_interval < math.inf):
             raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
-        _trio_asyncio()  # now, rather than at the first request
+        if asyncio_loop is None:
+            trio_asyncio()  # now, rather than at the first request
+        self._host_loop = asyncio_loop
         if server_args.get("device") == "cpu":
             prepare_cpu_engine()
             server_args = with_cpu_defaults(server_args)
@@ -129,9 +126,10 @@ class SGLangEngine:
         self._server_args = server_args
         self._poller = PhasePoller(self.phase, float(poll_interval))
         self._running = False
-        #: trio-asyncio's loop while running: given to every call into SGLang, because a
-        #: task that a host started from asyncio (Dynamo's handlers) finds no current loop.
-        self._loop: Any = None
+        #: Where SGLang's code runs, while running: every call into SGLang goes there by
+        #: name, because a task that a host started from asyncio (Dynamo's handlers)
+        #: finds no current loop, or another one.
+        self._side: AsyncioSide | None = None
         #: rid -> phase, from what the streams saw (only used without a registry).
         self._seen: dict[str, RequestPhase] = {}
         self._chat: SGLangChat | None = None  # made at the first chat request
@@ -146,9 +144,15 @@ class SGLangEngine:
             raise RuntimeError("the SGLang engine is not running")
         return self._tm
 
+    @property
+    def asyncio_side(self) -> AsyncioSide:
+        """Where SGLang's asyncio code runs, and how trio awaits it (while running)."""
+        if self._side is None:
+            raise RuntimeError("the SGLang engine is not running")
+        return self._side
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        trio_asyncio = _trio_asyncio()
         if self._running:
             raise RuntimeError("this SGLangEngine is already running")
         if self._detected is None:
@@ -161,13 +165,11 @@ class SGLangEngine:
         try:
             async with (
                 self._launched(),
-                trio_asyncio.open_loop() as loop,
+                self._opened_side() as side,
                 trio.open_nursery() as nursery,
             ):
-                self._loop = loop
-                _take_any_executor(loop)
-                _log_errors_nobody_awaits(loop)
-                await self._in_asyncio(self._start_receiving)(loop)
+                self._side = side
+                await side.call(self._start_receiving, side.loop)
                 nursery.start_soon(self._poller.run)
                 try:
                     with hearing_scheduler(self._tm, self._echoes):
@@ -176,7 +178,18 @@ class SGLangEngine:
                     nursery.cancel_scope.cancel()
         finally:
             self._running = False
-            self._loop = None
+            self._side = None
+
+    @asynccontextmanager
+    async def _opened_side(self) -> AsyncIterator[AsyncioSide]:
+        """The host loop given, or trio-asyncio's loop (made fit for SGLang) for the block."""
+        if self._host_loop is not None:
+            yield guest_side(self._host_loop)
+            return
+        async with open_trio_asyncio_side() as side:
+            _take_any_executor(side.loop)
+            _log_errors_nobody_awaits(side.loop)
+            yield side
 
     async def _require_a_tokenizer_here(self) -> None:
         """Refuse, in one line, an engine whose requests would go to a router that generates none.
@@ -230,26 +243,25 @@ class SGLangEngine:
             # Shut down: the next running() launches anew.
             self._engine = self._tm = self._chat = None
 
-    def _in_asyncio(self, fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-        """``fn`` (asyncio) as a trio call on this engine's loop (it must be running)."""
-        if self._loop is None:
-            raise RuntimeError("the SGLang engine is not running")
-        wrapped: Callable[..., Awaitable[T]] = _trio_asyncio().aio_as_trio(fn, loop=self._loop)
-        return wrapped
-
-    async def _start_receiving(self, loop: Any) -> None:
-        """Start the TokenizerManager's receive loop on trio-asyncio's loop, now.
+    async def _start_receiving(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the TokenizerManager's receive loop on the engine's asyncio loop, now.
 
         SGLang starts it at the first request and, in the main thread, takes
         SIGTERM for its own graceful exit (which ends by killing the process
         tree) through the loop's signal handlers, that is through
         ``signal.signal``: the process's owner (``serve``'s ordered shutdown,
         a trio program's own handler) would never see it. Starting it here
-        lets SIGTERM go back at once; SIGQUIT, which SGLang's children send
-        when one of them fails, stays SGLang's.
+        lets SIGTERM go back at once, to the handler it had before;
+        SIGQUIT, which SGLang's children send when one of them fails, stays
+        SGLang's. (asyncio's and uvloop's ``remove_signal_handler`` leave the
+        default handler, which would end a guest run at the first SIGTERM.)
         """
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if main else None
         self.tokenizer_manager.auto_create_handle_loop()
         loop.remove_signal_handler(signal.SIGTERM)
+        if previous is not None and signal.getsignal(signal.SIGTERM) is not previous:
+            signal.signal(signal.SIGTERM, previous)
 
     @property
     def semantics(self) -> SGLangSemantics:
@@ -305,7 +317,7 @@ class SGLangEngine:
         """SGLang's own HTTP server application over this running engine (``_sglang_app.py``)."""
         from ._sglang_app import hosted_sglang_app
 
-        return hosted_sglang_app(self, self._in_asyncio, served_at)
+        return hosted_sglang_app(self, served_at)
 
     @property
     def template_manager(self) -> Any:
@@ -391,7 +403,7 @@ def _take_any_executor(loop: Any) -> None:
     future; so does this one now.
     """
     own = loop.run_in_executor
-    trio_executor = _trio_asyncio().TrioExecutor
+    trio_executor = trio_asyncio().TrioExecutor
 
     def run_in_executor(executor: Any, func: Callable[..., T], *args: Any) -> Any:
         if executor is None or isinstance(executor, trio_executor):
@@ -478,7 +490,7 @@ class _SGLangStream:
             self._note(self._request["rid"], RequestPhase.REGISTERED)
         pull = self._pull_aborting_first if self._covers else self._agen.__anext__
         try:
-            out: dict[str, Any] = await engine._in_asyncio(pull)()
+            out: dict[str, Any] = await engine.asyncio_side.call(pull)
         except StopAsyncIteration:
             self._closed = True
             self._ended()
@@ -535,7 +547,7 @@ class _SGLangStream:
             if self._covers:
                 self._abort_dispatched()  # before SGLang's close can forget it
             # A no-op if the generator already finished (its release path ran).
-            await self._engine._in_asyncio(self._agen.aclose)()
+            await self._engine.asyncio_side.call(self._agen.aclose)
             self._ended()
         self._closed = True
         await trio.lowlevel.checkpoint()

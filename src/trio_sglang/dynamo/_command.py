@@ -45,7 +45,7 @@ def run_command(args: argparse.Namespace, engine: EngineOptions) -> None:
         planes = RuntimePlanes.from_env()
     except ValueError as exc:
         raise Refused(str(exc)) from None
-    kind: HostKind = args.loop or ("trio-asyncio" if args.engine == "sglang" else "guest")
+    kind: HostKind = args.loop or "guest"
     if kind == "trio-asyncio" and importlib.util.find_spec("trio_asyncio") is None:
         raise Refused("--loop trio-asyncio needs trio-asyncio: pip install 'trio-sglang[asyncio]'")
     policy = AbortPolicy(
@@ -70,7 +70,12 @@ async def _run(
     async with trio.open_nursery() as watching:
         # From the start to the engine's close: a second signal is never lost.
         watching.start_soon(signals.watch)
-        async with open_engine(options) as (engine, _), trio.open_nursery() as serving:
+        # With trio as uvloop's guest, SGLang's code runs on the runtime's loop too.
+        on = host.loop if host.kind == "guest" else None
+        async with (
+            open_engine(options, asyncio_loop=on) as (engine, _),
+            trio.open_nursery() as serving,
+        ):
             if metrics_port is not None:
                 urls = await serving.start(
                     serve_metrics, metrics, metrics_host, metrics_port, shutdown
