@@ -26,6 +26,7 @@ from trio.testing import MockClock
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 
 from trio_sglang import OutputMode, SimDisaggTiming
+from trio_sglang._asyncio_side import LOOP_KINDS
 from trio_sglang_harness import (
     CancelPhase,
     DisaggSetup,
@@ -110,10 +111,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sglang-harness")
 
 
-@pytest.fixture
-async def harness(workdir: Path) -> AsyncIterator[SGLangHarness]:
+@pytest.fixture(params=LOOP_KINDS)
+async def harness(workdir: Path, request: pytest.FixtureRequest) -> AsyncIterator[SGLangHarness]:
+    """The host on each asyncio loop ``serve --loop`` offers: the lifecycle holds on both."""
     async with open_sglang_harness(
-        workdir=workdir, first_token_delay=FIRST_TOKEN_DELAY, token_interval=TOKEN_INTERVAL
+        workdir=workdir,
+        first_token_delay=FIRST_TOKEN_DELAY,
+        token_interval=TOKEN_INTERVAL,
+        loop=request.param,
     ) as started:
         yield started
 

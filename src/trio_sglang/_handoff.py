@@ -1,12 +1,12 @@
-"""``Handoff``: one item at a time between a trio task and code on trio-asyncio's loop.
+"""``Handoff``: one item at a time between a trio task and asyncio code in the same thread.
 
-trio-asyncio runs every asyncio callback inside the trio run, in trio's
-thread, so asyncio code may call trio's synchronous operations; what it
-cannot do cheaply is *await* trio. Each ``trio_as_aio`` call is a trio task
-of its own, a future and two turns of trio-asyncio's loop, each turn a trio
-checkpoint and a cancel scope. A hosted route streaming a response paid that
-twice per chunk (the engine's output in, the event out), which made it the
-largest cost of ``serve --engine sglang`` per token.
+On either asyncio side (``_asyncio_side.py``) every asyncio callback runs in
+trio's thread, so asyncio code may call trio's synchronous operations; what
+it cannot do cheaply is *await* trio. Each such call (``TrioCalls``) is a
+trio task of its own and a future, and on trio-asyncio's loop turns of that
+loop, each a trio checkpoint and a cancel scope. A hosted route streaming a
+response would pay that twice per chunk (the engine's output in, the event
+out), the largest cost of ``serve --engine sglang`` per token.
 
 A ``Handoff`` holds at most one item. A trio task awaits its ``send`` or
 ``receive``, as on a memory channel of capacity one. The other side calls

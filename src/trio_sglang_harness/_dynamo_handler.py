@@ -42,6 +42,8 @@ from typing import Any
 
 import trio
 
+from trio_sglang._asyncio_side import AsyncioSide
+
 from ._scenarios import CallerStream
 
 __all__ = ["DynamoHandler", "EngineShape", "open_dynamo_handler"]
@@ -94,7 +96,8 @@ class EngineShape:
 class DynamoHandler:
     """Dynamo 1.6.1's ``DecodeWorkerHandler`` over a TokenizerManager, one stream at a time."""
 
-    def __init__(self, tokenizer_manager: Any) -> None:
+    def __init__(self, tokenizer_manager: Any, side: AsyncioSide) -> None:
+        self._side = side
         os.environ.setdefault("DYN_LOG", "error")
         os.environ.setdefault("DYN_SKIP_SGLANG_LOG_FORMATTING", "1")
         from dynamo.common.configuration.groups.runtime_args import DynamoRuntimeArgGroup
@@ -121,7 +124,7 @@ class DynamoHandler:
 
         context = Context()
         self._engine.request = _PickedRid()
-        pulled = _Pulled(self._handler.generate(self._dynamo_request(request), context))
+        pulled = _Pulled(self._handler.generate(self._dynamo_request(request), context), self._side)
         signalled = False
 
         def cancel() -> None:
@@ -157,8 +160,6 @@ class DynamoHandler:
 
     async def aclose(self) -> None:
         """Dynamo's cleanup (it cancels the detached abort tasks), then wait for those to end."""
-        from trio_asyncio import aio_as_trio
-
         handler = self._handler
 
         async def cleanup() -> None:
@@ -167,26 +168,25 @@ class DynamoHandler:
             await asyncio.gather(*detached, return_exceptions=True)
 
         with trio.move_on_after(STREAM_END_BOUND, shield=True):
-            await aio_as_trio(cleanup)()
+            await self._side.call(cleanup)
 
 
 class _Pulled:
     """The handler's generator, pulled as the runtime pulls it: on the asyncio loop, uncancelled."""
 
-    def __init__(self, agen: Any) -> None:
+    def __init__(self, agen: Any, side: AsyncioSide) -> None:
         self._agen = agen
+        self._side = side
         self._ended = False
 
     def __aiter__(self) -> _Pulled:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        from trio_asyncio import aio_as_trio
-
         if self._ended:
             raise StopAsyncIteration
         try:
-            chunk: dict[str, Any] = await aio_as_trio(_next)(self._agen)
+            chunk: dict[str, Any] = await self._side.call(self._agen.__anext__)
         except StopAsyncIteration:
             self._ended = True
             raise
@@ -200,21 +200,17 @@ class _Pulled:
 
     async def aclose(self) -> None:
         """Close the generator where it stopped (at its last ``yield``)."""
-        from trio_asyncio import aio_as_trio
-
         if not self._ended:
             self._ended = True
-            await aio_as_trio(self._agen.aclose)()
-
-
-async def _next(agen: Any) -> Any:
-    return await agen.__anext__()
+            await self._side.call(self._agen.aclose)
 
 
 @asynccontextmanager
-async def open_dynamo_handler(tokenizer_manager: Any) -> AsyncIterator[DynamoHandler]:
-    """A ``DynamoHandler`` for the life of the block (inside the engine's trio-asyncio loop)."""
-    dynamo = DynamoHandler(tokenizer_manager)
+async def open_dynamo_handler(
+    tokenizer_manager: Any, side: AsyncioSide
+) -> AsyncIterator[DynamoHandler]:
+    """A ``DynamoHandler`` for the block, its asyncio code on ``side`` (the engine's)."""
+    dynamo = DynamoHandler(tokenizer_manager, side)
     try:
         yield dynamo
     finally:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import trio
 
+from trio_sglang._asyncio_side import LoopKind
+
 from ._chat import ChatPrompts
 from ._peer import DisaggSetup
 from ._protocol import ANSWER
@@ -111,6 +113,7 @@ async def open_sglang_harness(
     dynamo: bool = False,
     real_engine: bool = False,
     tokenizer_workers: int = 1,
+    loop: LoopKind = "trio-asyncio",
     start_timeout: float = 300.0,
 ) -> AsyncIterator[SGLangHarness]:
     """Start the host process (real TokenizerManager, stand-in scheduler) and stop it after.
@@ -129,7 +132,9 @@ async def open_sglang_harness(
     observation then also says what the scheduler still held
     (``Observation.scheduler_held_after``). ``tokenizer_workers`` is its
     ``tokenizer_worker_num``: above 1, SGLang routes between tokenizer workers,
-    and the worker drives the one in the host.
+    and the worker drives the one in the host. ``loop`` is where the host runs
+    SGLang's asyncio code (``serve --loop``): trio-asyncio's loop inside trio,
+    or the uvloop the host's trio run is the guest of.
     """
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(scratch) if workdir is None else workdir
@@ -150,6 +155,8 @@ async def open_sglang_harness(
                 *(("--dynamo",) if dynamo else ()),
                 *(("--real-engine",) if real_engine else ()),
                 *(("--tokenizer-workers", str(tokenizer_workers)) if real_engine else ()),
+                "--loop",
+                loop,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

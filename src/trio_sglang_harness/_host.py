@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from trio_sglang import AbortPolicy, RequestPhase, SGLangEngine, open_worker
+from trio_sglang._asyncio_side import LOOP_KINDS
+from trio_sglang._guest import run_beside_asyncio
 
 from ._chat import observe_chat
 from ._peer import DisaggSetup
@@ -241,7 +243,7 @@ async def _serve(
                 seen.scheduler_held_after = await view.held()
             return {"observation": seen.to_json()}
 
-        async with _maybe_dynamo(tm, dynamo) as handler:
+        async with _maybe_dynamo(engine, dynamo) as handler:
             _answer(
                 {
                     "ready": True,
@@ -260,14 +262,15 @@ async def _serve(
 
 
 @asynccontextmanager
-async def _maybe_dynamo(tm: Any, wanted: bool) -> AsyncIterator[DynamoHandler | None]:
-    """Dynamo's handler over ``tm`` if ``wanted`` (inside the worker: it needs the asyncio loop)."""
+async def _maybe_dynamo(engine: SGLangEngine, wanted: bool) -> AsyncIterator[DynamoHandler | None]:
+    """Dynamo's handler over the engine's TokenizerManager if ``wanted`` (inside the worker:
+    it runs on the engine's asyncio loop)."""
     if not wanted:
         yield None
         return
     from ._dynamo_handler import open_dynamo_handler
 
-    async with open_dynamo_handler(tm) as handler:
+    async with open_dynamo_handler(engine.tokenizer_manager, engine.asyncio_side) as handler:
         yield handler
 
 
@@ -289,19 +292,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tokenizer-workers", type=int, default=1, help="the real engine's tokenizer_worker_num"
     )
+    parser.add_argument(
+        "--loop",
+        choices=LOOP_KINDS,
+        default="trio-asyncio",
+        help="where SGLang's asyncio code runs: the loop trio is the guest of, or trio-asyncio's",
+    )
     args = parser.parse_args(argv)
     if args.real_engine:
         several = args.tokenizer_workers > 1
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is local
-        engine = SGLangEngine(
-            model_path=str(build_tiny_model(args.workdir / "tiny-llama")),
-            device="cpu",
-            incremental_streaming_output=True,
-            log_level="warning",
-            chat_template=args.chat_template,
-            **({"tokenizer_worker_num": args.tokenizer_workers} if several else {}),
-        )
-        trio.run(_serve, engine, _real_view, None, args.dynamo)
+        model = build_tiny_model(args.workdir / "tiny-llama")
+
+        def real(loop: asyncio.AbstractEventLoop | None) -> SGLangEngine:
+            return SGLangEngine(
+                model_path=str(model),
+                device="cpu",
+                incremental_streaming_output=True,
+                log_level="warning",
+                chat_template=args.chat_template,
+                asyncio_loop=loop,
+                **({"tokenizer_worker_num": args.tokenizer_workers} if several else {}),
+            )
+
+        run_beside_asyncio(args.loop, _serve_made, real, _real_view, None, args.dynamo)
         return
     with open_tokenizer_manager(
         args.workdir,
@@ -310,13 +324,27 @@ def main(argv: list[str] | None = None) -> None:
         disagg=args.disagg,
         chat_template=args.chat_template,
     ) as hosted:
-        trio.run(
-            _serve,
-            SGLangEngine(tokenizer_manager=hosted.tokenizer_manager),
+
+        def over_stand_in(loop: asyncio.AbstractEventLoop | None) -> SGLangEngine:
+            return SGLangEngine(tokenizer_manager=hosted.tokenizer_manager, asyncio_loop=loop)
+
+        run_beside_asyncio(
+            args.loop,
+            _serve_made,
+            over_stand_in,
             lambda _: _stand_in_view(hosted.scheduler_log),
             hosted.templates,
             args.dynamo,
         )
+
+
+async def _serve_made(
+    loop: asyncio.AbstractEventLoop | None,
+    make: Callable[[asyncio.AbstractEventLoop | None], SGLangEngine],
+    *rest: Any,
+) -> None:
+    """``_serve`` over the engine ``make(loop)`` builds for the asyncio loop of this run."""
+    await _serve(make(loop), *rest)
 
 
 if __name__ == "__main__":
