@@ -94,6 +94,8 @@ class Config:
     #: Also ``serve`` hosting SGLang's application (``serve --engine sglang``'s way) over
     #: the same TokenizerManager and stand-in scheduler as SGLang's own server.
     hosted: bool = False
+    #: Where the hosted server runs SGLang's asyncio code (``serve --loop``).
+    hosted_loop: str = "guest"
     sglang_start_timeout: float = 180.0
 
     @property
@@ -219,7 +221,10 @@ async def _servers(
             servers[name] = await stack.enter_async_context(
                 _open_server(
                     config,
-                    [*config.sglang_args(streams, workdir), "--server", name],
+                    [
+                        *config.sglang_args(streams, workdir),
+                        *("--server", name, "--loop", config.hosted_loop),
+                    ],
                     [sys.executable, str(SGLANG)],
                     config.sglang_start_timeout,
                 )
@@ -326,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve hosting SGLang's application (serve --engine sglang's way) over the "
         "same TokenizerManager and stand-in scheduler (needs what --sglang needs)",
     )
+    parser.add_argument(
+        "--hosted-loop",
+        choices=["guest", "trio-asyncio"],
+        help="where --hosted runs SGLang's asyncio code, as serve --loop (default guest)",
+    )
     add_file_options(parser, "serve_throughput.json and its section of summary.md")
     return parser
 
@@ -336,6 +346,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         name: getattr(args, name)
         for name in (
             *("rate", "max_tokens", "endpoint", "rounds", "warmup", "window", "sglang", "hosted"),
+            "hosted_loop",
         )
         if getattr(args, name) is not None
     }

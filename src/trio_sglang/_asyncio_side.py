@@ -22,6 +22,7 @@ owns it, started through the run's ``TrioToken``, which both hosts allow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol, TypeVar
@@ -105,8 +106,8 @@ class _GuestSide:
                 task.cancel()
                 with trio.move_on_after(CANCEL_GRACE, shield=True):
                     await finished.wait()
-                if task.done() and not task.cancelled():
-                    task.exception()  # retrieved: the caller has gone, and gets the cancel
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved, for a caller cancelled meanwhile
         return task.result()
 
 
@@ -176,7 +177,9 @@ class TrioCalls:
 
         def cancel_if_cancelled(future: asyncio.Future[T]) -> None:
             if future.cancelled():
-                self._token.run_sync_soon(scope.cancel)
+                # The trio run may have ended first (its host loop then cancels what is left).
+                with contextlib.suppress(trio.RunFinishedError):
+                    self._token.run_sync_soon(scope.cancel)
 
         done.add_done_callback(cancel_if_cancelled)
         self._token.run_sync_soon(self._start, done, scope, fn, args)
