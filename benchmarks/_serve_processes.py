@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from _subprocesses import Process, free_port, healthy, wait_until
+from _subprocesses import Process, free_ports, healthy, wait_until
 
 __all__ = ["ROUTERS", "start_router", "start_workers"]
 
@@ -94,7 +94,7 @@ def start_router(
     Returns once its ``/workers`` lists every worker as healthy; fails early if
     the router or one of the ``watched`` processes (the workers) exits.
     """
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     command = [sys.executable, "-m", *ROUTERS[router], "--worker-urls", *worker_urls]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]

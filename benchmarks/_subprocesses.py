@@ -7,6 +7,7 @@ SIGTERM, then SIGKILL. The multi-worker tests import it too
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import time
@@ -19,10 +20,21 @@ __all__ = ["Process", "free_port", "healthy", "wait_until"]
 
 def free_port() -> int:
     """A loopback port that was free a moment ago (for programs that cannot bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    (port,) = free_ports(1)
+    return port
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports that were free a moment ago.
+
+    Held all at once while they are picked: two calls of ``free_port`` may
+    name the same port, which one program given both then fails to bind twice.
+    """
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def healthy(url: str, timeout: float = 30.0) -> bool:

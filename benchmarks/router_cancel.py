@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from _output import table, write_json
+from _subprocesses import free_ports
 
 __all__ = ["Config", "Trial", "main", "run_benchmark"]
 
@@ -137,13 +138,6 @@ def _get_json(url: str) -> Any:
         return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def launch_worker(stack: contextlib.ExitStack, log_dir: Path, name: str, *args: str) -> Process:
     """``trio-sglang serve ARGS`` on a free port, stopped with ``stack``."""
     command = [sys.executable, "-m", "trio_sglang", "serve", "--port", "0", *args]
@@ -175,10 +169,10 @@ def launch_router(
     stack: contextlib.ExitStack, log_dir: Path, name: str, worker: str
 ) -> tuple[Process, str]:
     """sglang-router in front of ``worker``, stopped with ``stack``; its URL."""
-    port = _free_port()
+    port, metrics_port = free_ports(2)
     command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", worker]
     command += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
-    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     command += ["--log-level", "warn"]
     process = Process(name, command, log_dir / f"{name}.log")
     stack.callback(process.stop)
