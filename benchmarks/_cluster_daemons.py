@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from _dynamo_local import loopback_env
-from _subprocesses import Process, free_port, wait_until
+from _subprocesses import Process, free_ports, wait_until
 
 __all__ = ["PLANES", "Daemons", "cluster_env", "open_daemons"]
 
@@ -58,7 +58,7 @@ class Daemons:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._client, self._peer, nats_port = free_port(), free_port(), free_port()
+        self._client, self._peer, nats_port = free_ports(3)
         self.etcd_url = f"http://127.0.0.1:{self._client}"
         self.nats_url = f"nats://127.0.0.1:{nats_port}"
         self._etcd: Process | None = None

@@ -13,12 +13,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _serve_processes import ROUTERS, start_router, start_workers
-from _subprocesses import Process, free_port, healthy, wait_until
+from _subprocesses import Process, free_port, free_ports, healthy, wait_until
 
 __all__ = [
     "ROUTERS",
     "Process",
     "free_port",
+    "free_ports",
     "healthy",
     "start_router",
     "start_workers",

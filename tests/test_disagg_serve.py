@@ -43,7 +43,15 @@ import trio
 from prometheus_client import parser
 
 import trio_sglang as ts
-from _processes import Process, free_port, healthy, start_router, start_workers, wait_until
+from _processes import (
+    Process,
+    free_port,
+    free_ports,
+    healthy,
+    start_router,
+    start_workers,
+    wait_until,
+)
 from _readme import readme_block
 from conftest import read
 from trio_sglang.server import HTTPPrefill, ServerLimits, open_http_kv_rooms, serve
@@ -750,7 +758,7 @@ def run_curl(command: list[str]) -> list[str]:
 
 
 def test_the_disaggregation_page_pair_commands_work_as_written(tmp_path: Path) -> None:
-    ports = {8100: free_port(), 8200: free_port()}
+    ports = dict(zip((8100, 8200), free_ports(2), strict=True))
     *serves, curl = readme_commands("--prefill-url http://127.0.0.1:8100", ports)
     assert [c[3:5] for c in serves] == [["serve", "--disaggregation-mode"]] * 2
     started = []
@@ -769,7 +777,7 @@ def test_the_disaggregation_page_pair_commands_work_as_written(tmp_path: Path) -
 
 @pytest.mark.skipif(not ROUTER, reason="sglang-router is not installed")
 def test_the_disaggregation_page_router_commands_work_as_written(tmp_path: Path) -> None:
-    ports = {port: free_port() for port in (8100, 8300, 8400, 8401)}
+    ports = dict(zip((8100, 8300, 8400, 8401), free_ports(4), strict=True))
     *commands, curl = readme_commands("--pd-disaggregation", ports)
     prefill, decode, router = commands
     started = []
