@@ -32,6 +32,10 @@ __all__ = ["ServerLog", "ServerProcess", "open_server"]
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
 _QUIET_LEVELS = ("DEBUG", "INFO")
 _LEVELS = (*_QUIET_LEVELS, "WARNING", "ERROR", "CRITICAL")
+#: Seconds a server gets to exit after SIGTERM, before SIGKILL. trio's own
+#: default, 5 s, is too short for a server over SGLang's stand-in scheduler on a
+#: busy machine: the interpreters' teardown with SGLang imported takes seconds.
+_STOP_GRACE = 30.0
 
 
 @dataclass(slots=True)
@@ -149,6 +153,7 @@ async def open_server(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 check=False,
+                deliver_cancel=_terminate,
             )
         )
         assert process.stdout is not None
@@ -161,6 +166,15 @@ async def open_server(
         finally:
             if process.returncode is None:
                 nursery.cancel_scope.cancel()
+
+
+async def _terminate(process: trio.Process) -> None:
+    """SIGTERM; SIGKILL if the server has not exited within ``_STOP_GRACE``."""
+    process.terminate()
+    with trio.move_on_after(_STOP_GRACE):
+        await process.wait()
+        return
+    process.kill()
 
 
 async def _healthy(log: ServerLog, http_timeout: float, name: str) -> str:
