@@ -70,8 +70,10 @@ def trio_asyncio() -> Any:
         import trio_asyncio as module
     except ImportError as exc:
         raise ImportError(
-            "running SGLang's asyncio code inside trio (--loop trio-asyncio) needs "
-            "trio-asyncio, which is not installed: pip install 'trio-sglang[asyncio]'"
+            "SGLang's asyncio code runs inside trio on trio-asyncio's loop (an SGLangEngine "
+            "without asyncio_loop=, --loop trio-asyncio), and trio-asyncio is not installed: "
+            "pip install 'trio-sglang[asyncio]', or run trio as the guest of asyncio "
+            "(trio_sglang.run_as_guest and asyncio_loop=, --loop guest)"
         ) from exc
     return module
 
