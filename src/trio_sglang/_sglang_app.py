@@ -148,7 +148,7 @@ class _SGLangApp:
             nursery.start_soon(sender.send_all, send)
             async with trio.open_nursery() as calls:
                 in_trio = TrioCalls(calls)
-                scope = {**scope, "asgi": _ASGI, TRIO_CALLS_KEY: in_trio}
+                scope = {**scope, "asgi": dict(_ASGI), TRIO_CALLS_KEY: in_trio}
                 try:
                     await self._run_app(scope, partial(in_trio, receive), sender)
                 except Exception as exc:  # raised as itself, once what was handed over is sent
