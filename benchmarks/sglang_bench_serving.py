@@ -11,10 +11,13 @@ over its own ``sglang.Engine`` on the tiny model with the same flags
 (``_http_servers_cpu.py``). All of them are up for the whole run and take
 turns, one at a time, so that each round compares servers on the same
 machine at the same moment; each ratio is against SGLang's server in the
-same round. Run it in ``nox -s real-engine``'s environment (which also
-builds the tiny model): ``.nox/real-engine/bin/python
-benchmarks/sglang_bench_serving.py``. Prints a row per run, then the median
-ratios per concurrency.
+same round. Beside the client's figures, each run's front-end CPU per
+output token: the CPU seconds of the server's own process (its HTTP server
+and TokenizerManager; the scheduler and detokenizer are processes of their
+own) over the run, per token the client received. Run it in ``nox -s
+real-engine``'s environment (which also builds the tiny model):
+``.nox/real-engine/bin/python benchmarks/sglang_bench_serving.py``. Prints a
+row per run, then the median ratios per concurrency.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from _sse_client import cpu_seconds
 from _subprocesses import Process, free_ports, healthy, wait_until
 
 HERE = Path(__file__).resolve().parent
@@ -52,6 +56,8 @@ class Run:
     output_throughput: float  # tokens/s
     ttft_p99_ms: float
     itl_p50_ms: float
+    #: The server process's CPU over the run, per output token.
+    cpu_us_per_token: float
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,25 +77,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         servers[f"serve {loop}"] = ["trio-sglang", "--", "--loop", loop]
     with (
         tempfile.TemporaryDirectory() as scratch,
-        running(servers, args.model_path, Path(scratch)) as urls,
+        running(servers, args.model_path, Path(scratch)) as processes,
     ):
         runs: list[Run] = []
         for concurrency in args.concurrency:
             for round_ in range(1, args.rounds + 1):
-                for name, url in urls.items():
+                for name, (url, pid) in processes.items():
                     out = Path(scratch) / f"{concurrency}-{round_}-{len(runs)}.jsonl"
-                    run = bench(name, url, args, concurrency, round_, out)
+                    run = bench(name, url, pid, args, concurrency, round_, out)
                     runs.append(run)
                     print(_row(run), flush=True)
     print()
-    for line in _summary(runs, args.concurrency, list(urls)):
+    for line in _summary(runs, args.concurrency, list(processes)):
         print(line)
     return 0
 
 
 @contextmanager
-def running(servers: dict[str, list[str]], model: Path, folder: Path) -> Iterator[dict[str, str]]:
-    """Every server up at once, each on its own port; their URLs."""
+def running(
+    servers: dict[str, list[str]], model: Path, folder: Path
+) -> Iterator[dict[str, tuple[str, int]]]:
+    """Every server up at once, each on its own port; their URLs and process ids."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ports = free_ports(len(servers))
     with ExitStack() as stack:
@@ -107,11 +115,18 @@ def running(servers: dict[str, list[str]], model: Path, folder: Path) -> Iterato
             up = partial(healthy, url)
             wait_until(f"{name} to answer /health", up, START_TIMEOUT, *processes)
             print(f"{name} up at {url}", flush=True)
-        yield urls
+        pids = [process.pid for process in processes]
+        yield {name: (url, pid) for (name, url), pid in zip(urls.items(), pids, strict=True)}
 
 
 def bench(
-    name: str, url: str, args: argparse.Namespace, concurrency: int, round_: int, out: Path
+    name: str,
+    url: str,
+    pid: int,
+    args: argparse.Namespace,
+    concurrency: int,
+    round_: int,
+    out: Path,
 ) -> Run:
     command = [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
@@ -121,10 +136,13 @@ def bench(
         "--max-concurrency", str(concurrency), "--disable-tqdm", "--output-file", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cpu_before = cpu_seconds(pid)
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    cpu = cpu_seconds(pid) - cpu_before
     if done.returncode != 0:
         raise SystemExit(f"bench_serving against {name} failed:\n{done.stderr[-3000:]}")
     result = json.loads(out.read_text().splitlines()[-1])
+    tokens = max(int(result["total_output_tokens"]), 1)
     return Run(
         concurrency,
         round_,
@@ -133,6 +151,7 @@ def bench(
         float(result["output_throughput"]),
         float(result["p99_ttft_ms"]),
         float(result["median_itl_ms"]),
+        cpu / tokens * 1e6,
     )
 
 
@@ -140,13 +159,17 @@ def _row(run: Run) -> str:
     return (
         f"concurrency {run.concurrency} round {run.round} {run.server:>18}: "
         f"{run.completed} done, {run.output_throughput:,.1f} tok/s, "
-        f"TTFT p99 {run.ttft_p99_ms:,.0f} ms, ITL p50 {run.itl_p50_ms:.2f} ms"
+        f"TTFT p99 {run.ttft_p99_ms:,.0f} ms, ITL p50 {run.itl_p50_ms:.2f} ms, "
+        f"CPU {run.cpu_us_per_token:.0f} us/token"
     )
 
 
 def _summary(runs: list[Run], concurrencies: list[int], names: list[str]) -> Iterator[str]:
     """Per concurrency and server: the median, over rounds, of its ratios to SGLang's server."""
-    yield "median over rounds, against SGLang's server in the same round (tok/s, TTFT p99):"
+    yield (
+        "median over rounds, against SGLang's server in the same round "
+        "(tok/s, TTFT p99, front-end CPU per token):"
+    )
     by = {(r.concurrency, r.round, r.server): r for r in runs}
     for concurrency in concurrencies:
         rounds = sorted({r.round for r in runs if r.concurrency == concurrency})
@@ -158,7 +181,10 @@ def _summary(runs: list[Run], concurrencies: list[int], names: list[str]) -> Ite
             ttft = statistics.median(
                 ours.ttft_p99_ms / theirs.ttft_p99_ms for ours, theirs in pairs
             )
-            yield f"  concurrency {concurrency} {name:>18}: {speed:.2f}x, {ttft:.2f}x"
+            cpu = statistics.median(
+                ours.cpu_us_per_token / theirs.cpu_us_per_token for ours, theirs in pairs
+            )
+            yield f"  concurrency {concurrency} {name:>18}: {speed:.2f}x, {ttft:.2f}x, {cpu:.2f}x"
 
 
 if __name__ == "__main__":

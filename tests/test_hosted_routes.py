@@ -25,7 +25,7 @@ import trio.testing
 import trio_sglang as ts
 from conftest import slow_sim
 from trio_sglang._errors import InvalidRequest
-from trio_sglang._hosted_app import EXCHANGE_KEY, HTTPRefusal
+from trio_sglang._hosted_app import EXCHANGE_KEY, SEND_NOW_KEY, HTTPRefusal
 from trio_sglang.server import ServerApp, ServerLimits, ServerMetrics
 from trio_sglang.server._asgi import SSE_HEARTBEAT
 
@@ -43,6 +43,8 @@ class HostedStandIn:
     def __init__(self) -> None:
         self.feeds: list[Any] = []
         self.paths: list[str] = []
+        #: Chunks written at once (``SendNow``), as SGLang's app under ``serve`` writes them.
+        self.at_once = 0
 
     def metrics(self) -> bytes:
         """Its own, which ``serve``'s ``/metrics`` shows beside its (SGLang's ``sglang:*``)."""
@@ -67,7 +69,11 @@ class HostedStandIn:
             except trio.EndOfChannel:
                 break
             event = b"data: " + json.dumps(out).encode() + b"\n\n"
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            message = {"type": "http.response.body", "body": event, "more_body": True}
+            if scope[SEND_NOW_KEY](message):
+                self.at_once += 1
+            else:
+                await send(message)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
@@ -163,6 +169,9 @@ async def test_a_hosted_route_streams_its_request_through_the_lifecycle(
     assert hosted.feeds[0].end == "finished"
     assert worker.engine.live_requests() == 0
     assert counted(app, "completed") == 1
+    # Under an ASGI server other than serve's own, every write goes through ``send``,
+    # where the route bounds it (serve's connection writes at once: test_hosted_writes).
+    assert hosted.at_once == 0
 
 
 async def test_a_client_that_leaves_stops_the_hosted_route_and_its_request(

@@ -97,14 +97,29 @@ class _GuestSide:
     async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         # A cancel already pending: the task would start before trio delivers it.
         await trio.lowlevel.checkpoint_if_cancelled()
-        finished = trio.Event()
         task = self._loop.create_task(_awaited(fn, *args))
-        # Run by the host loop, in trio's thread: it may wake the trio task itself.
-        task.add_done_callback(lambda _: finished.set())
+        # The engine's every output comes through here: the trio task parks on trio's
+        # lowest wait, which the task's done callback (run by the host loop, in trio's
+        # thread) ends, rather than on an Event made for each call.
+        waiter = trio.lowlevel.current_task()
+        parked = True
+
+        def wake(_: object) -> None:
+            if parked:
+                trio.lowlevel.reschedule(waiter)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            nonlocal parked
+            parked = False
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        task.add_done_callback(wake)
         try:
-            await finished.wait()
+            await trio.lowlevel.wait_task_rescheduled(abort)
         finally:
             if not task.done():
+                finished = trio.Event()
+                task.add_done_callback(lambda _: finished.set())
                 task.cancel()
                 with trio.move_on_after(CANCEL_GRACE, shield=True):
                     await finished.wait()

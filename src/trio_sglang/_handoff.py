@@ -81,25 +81,31 @@ class Handoff(Generic[T]):
     async def send(self, item: T) -> None:
         """``send_nowait``, waiting for the last item to be taken (a trio checkpoint)."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             try:
                 self.send_nowait(item)
             except trio.WouldBlock:
                 await self._lot.park()
+                waited = True
             else:
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not waited:  # the wait was this call's schedule point, if there was one
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return
 
     async def receive(self) -> T:
         """``receive_nowait``, waiting for an item or the close (a trio checkpoint)."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             try:
                 item = self.receive_nowait()
             except trio.WouldBlock:
                 await self._lot.park()
+                waited = True
             else:
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not waited:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return item
 
     def _changed(self) -> None:

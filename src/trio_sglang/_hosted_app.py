@@ -13,7 +13,9 @@ Wherever the hosted application would hand a request to its engine, it
 starts it through the exchange instead and reads its outputs from the
 ``Feed`` it gets back. The server owns the exchange: the tasks that run
 its requests, their public ids (for ``/abort_request``), their admission,
-and their end when the client leaves.
+and their end when the client leaves. Beside it, under ``SEND_NOW_KEY``, a
+``SendNow``: an application on another loop writes a streamed chunk with it
+at once, rather than handing each to a trio task.
 """
 
 from __future__ import annotations
@@ -21,10 +23,27 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["EXCHANGE_KEY", "Exchange", "Feed", "FeedEnd", "HTTPRefusal", "HostedApp"]
+__all__ = [
+    "EXCHANGE_KEY",
+    "SEND_NOW_KEY",
+    "Exchange",
+    "Feed",
+    "FeedEnd",
+    "HTTPRefusal",
+    "HostedApp",
+    "SendNow",
+]
 
 #: Where an ``Exchange`` is in the scope of a request the server hands to the hosted app.
 EXCHANGE_KEY = "trio_sglang.exchange"
+#: Where a ``SendNow`` is in that scope.
+SEND_NOW_KEY = "trio_sglang.send_now"
+
+#: A response's ``send`` without the wait, for a hosted app on another event loop in the
+#: server's thread: ``True`` if the message went out, ``False`` (nothing sent) if it must
+#: go through ``send``, which it then does after every message handed to ``send`` before.
+#: Only a chunk of a streamed body ever goes out this way.
+SendNow = Callable[[Mapping[str, Any]], bool]
 
 #: How a feed ended: the engine finished it, ``/abort_request`` stopped it, the
 #: server shut down, the engine failed (``Feed.error``), or the client left.

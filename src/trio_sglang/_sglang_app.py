@@ -51,7 +51,7 @@ import trio
 from ._asyncio_side import TrioCalls
 from ._errors import InvalidRequest
 from ._handoff import Handoff, aio_receive, aio_send
-from ._hosted_app import EXCHANGE_KEY, Exchange, Feed, HostedApp, HTTPRefusal
+from ._hosted_app import EXCHANGE_KEY, SEND_NOW_KEY, Exchange, Feed, HostedApp, HTTPRefusal, SendNow
 from ._increments import IncrementQueue
 from ._sglang_semantics import streams_increments
 
@@ -140,9 +140,9 @@ class _SGLangApp:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # SGLang's app runs on asyncio, and calls back into trio for the connection:
         # the request's body and its start through the request's TrioCalls (a task
-        # each, cancelled when the app returns), each message of its response through
-        # a handoff (one per chunk).
-        sender = _Sender()
+        # each, cancelled when the app returns), each message of its response written
+        # at once where it can be, else through a handoff.
+        sender = _Sender(scope.get(SEND_NOW_KEY))
         failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender.send_all, send)
@@ -197,24 +197,37 @@ class _Families:
 
 
 class _Sender:
-    """The hosted app's ``send``: its messages handed to a trio task, which sends them in order.
+    """The hosted app's ``send``: each message written at once, or handed to a trio task.
 
-    The app goes on while its last message is being written, as on uvicorn,
-    and waits only while the one before is not taken yet. A message that
-    cannot be sent fails the app's next ``send``, with the error as its cause.
+    A chunk of a streamed body goes out at once (``send_now``, the server's
+    ``SendNow``) when the socket takes it and nothing handed over before it
+    is still unsent; every other message is handed to a trio task, which
+    sends them in order. The app goes on while its last message is being
+    written, as on uvicorn, and waits only while the one before is not taken
+    yet. A message that cannot be sent fails the app's next ``send``, with
+    the error as its cause.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, send_now: SendNow | None) -> None:
         self.outbox: Handoff[Any] = Handoff()
         self.error: Exception | None = None
+        self._send_now = send_now
+        #: Messages handed over and not sent yet (or not sent at all: a send failed).
+        self._unsent = 0
 
     async def __call__(self, message: Any) -> None:
-        """asyncio: hand ``message`` over."""
+        """asyncio: write ``message``, or hand it over."""
+        if self._unsent == 0 and self._send_now is not None and self._send_now(message):
+            return
+        self._unsent += 1
         try:
             await aio_send(self.outbox, message)
         except trio.ClosedResourceError:
             error, self.error = self.error, None  # the app has it now
             raise OSError("the response could not be sent") from error
+        except BaseException:  # cancelled: never handed over
+            self._unsent -= 1
+            raise
 
     async def send_all(self, send: Callable[[Any], Awaitable[None]]) -> None:
         """trio: send every message handed over, until the outbox closes or a send fails."""
@@ -229,6 +242,7 @@ class _Sender:
                 self.error = exc
                 self.outbox.close()
                 return
+            self._unsent -= 1
 
 
 def _import_http_server() -> Any:

@@ -472,6 +472,10 @@ class _SGLangStream:
         self._closed = False
         #: Rids this stream aborted before SGLang's close (releases whose close does not).
         self._aborted: set[str] = set()
+        #: Read at the first pull: whether outputs come as increments, and whether the
+        #: phases are told by the streams (no registry) rather than by SGLang's registry.
+        self._increments = False
+        self._tells_phases = False
         self._seen_text: dict[str, int] = {}
         self._seen_ids: dict[str, int] = {}
 
@@ -485,8 +489,11 @@ class _SGLangStream:
         if self._agen is None:
             from sglang.srt.managers.io_struct import GenerateReqInput
 
+            tm = engine.tokenizer_manager
+            self._increments = streams_increments(tm)
+            self._tells_phases = not isinstance(getattr(tm, "rid_to_state", None), MutableMapping)
             self._obj = GenerateReqInput(**self._request)
-            self._agen = engine.tokenizer_manager.generate_request(self._obj, None)
+            self._agen = tm.generate_request(self._obj, None)
             self._note(self._request["rid"], RequestPhase.REGISTERED)
         pull = self._pull_aborting_first if self._covers else self._agen.__anext__
         try:
@@ -554,6 +561,8 @@ class _SGLangStream:
 
     def _note(self, rid: object, phase: RequestPhase) -> None:
         """Remember what this stream showed of its rids (the registry-less fallback)."""
+        if not self._tells_phases:
+            return
         for one in rid if isinstance(rid, list) else [rid]:
             if not isinstance(one, str):
                 continue
@@ -568,10 +577,9 @@ class _SGLangStream:
         rid = str(meta.get("id"))
         reason = meta.get("finish_reason")
         self._note(rid, RequestPhase.DISPATCHED if reason is None else RequestPhase.ABSENT)
-        incremental = streams_increments(self._engine.tokenizer_manager)
         text = out.get("text")
         ids = list(out.get("output_ids") or ())
-        if incremental:
+        if self._increments:
             if isinstance(reason, dict) and reason.get("type") == "abort":
                 # SGLang's abort echo repeats the whole text and the last id.
                 text, ids = "", []

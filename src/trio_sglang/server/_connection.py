@@ -25,7 +25,9 @@ serving benchmark (``benchmarks/serve_throughput.py``):
 * **A write the socket can take goes out at once** (``_write_now``), without
   the lock wait, the shield and the deadline a write that has to wait needs.
   A streamed response is a write per event, and those cost more than the
-  write itself.
+  write itself. An application on another loop in this thread (SGLang's,
+  hosted) can write a chunk of its response that way itself
+  (``send_body_now``), without handing it to a trio task first.
 * **Nothing of HTTP before the first byte** (``_first_byte``): until the
   client sends something, its connection is a socket and one parked task.
   hypercorn's protocol, task group and keep-alive timer (about 13 KiB a
@@ -121,6 +123,8 @@ class ClientConnection(TCPServer):
         self._waiting: trio.CancelScope | None = None
         #: When the first request's headers are due: a keep-alive timeout after the connect.
         self._first_deadline: float | None = None
+        #: The rest of a piece ``send_body_now`` wrote in part: the next write's first bytes.
+        self._unsent = b""
 
     async def serve(self) -> None:
         """Run the connection; the app's tasks for it see it as ``current_connection()``."""
@@ -217,6 +221,8 @@ class ClientConnection(TCPServer):
             await self.send_lock.acquire()
         try:
             data = event.data
+            if self._unsent:
+                data, self._unsent = self._unsent + data, b""
             written = self._write_now(data)
             sent = written is not None
             if written is not None and written < len(data):
@@ -228,6 +234,31 @@ class ClientConnection(TCPServer):
                 await self.protocol.handle(Closed())
         finally:
             self.send_lock.release()
+
+    def send_body_now(self, body: bytes) -> bool:
+        """Write ``body`` as the next piece of the HTTP/1.1 response in progress, without waiting.
+
+        For an application on another event loop in this thread (SGLang's,
+        hosted), whose every chunk would otherwise be handed to a trio task
+        to be written. ``False``, with nothing sent, where it cannot go out
+        that way: another write is in progress, the connection is not
+        HTTP/1.1 or has no body of that kind in progress (``HTTP11.frame_body``),
+        or the socket takes none of it now (full, or the client gone); the
+        caller then sends it the usual way, where a wait is bounded and a
+        gone client is seen. What the socket takes only in part is written
+        first by the next write, which the response's end always is.
+        """
+        protocol = self.protocol.protocol
+        if self._unsent or self.send_lock.locked() or not isinstance(protocol, HTTP11):
+            return False
+        data = protocol.frame_body(body)
+        if data is None:
+            return False
+        written = self._write_now(data)
+        if not written:
+            return False
+        self._unsent = data[written:]
+        return True
 
     def _write_now(self, data: bytes) -> int | None:
         """How much of ``data`` the socket takes at once (None: the connection is gone).

@@ -3,7 +3,7 @@
 The hosted application (SGLang's own server, ``_hosted_app.py``) builds each
 engine request; this starts it through the worker's lifecycle, in a task of
 the HTTP request's own nursery, and hands its outputs over one at a time
-(a ``Handoff``, which the route on trio-asyncio's loop reads without a
+(a ``Handoff``, which the route on the asyncio side reads without a
 trio task per output: while the route is busy sending, one output waits
 there and the rest in SGLang's TokenizerManager, which merges a backlog as
 it does for its own server). Each request is in flight under its public id
@@ -127,7 +127,12 @@ class HTTPExchange:
         try:
             async with self._worker.generate(prepared, ctx, output="native") as chunks:
                 async for out in chunks:
-                    await feed.outputs.send(out)
+                    # The route has nearly always taken the last output: this hands
+                    # the next one over without a second schedule point (each pull is one).
+                    try:
+                        feed.outputs.send_nowait(out)
+                    except trio.WouldBlock:
+                        await feed.outputs.send(out)
             end = "finished"
         except EngineShutdown:
             end = "shutdown"

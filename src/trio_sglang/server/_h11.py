@@ -25,6 +25,8 @@ from typing import Any
 import h11
 import trio
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+from hypercorn.utils import suppress_body
 
 __all__ = ["HTTP11", "PIPELINE_BYTES", "ClientLeft", "PipelinedTooFar"]
 
@@ -78,6 +80,29 @@ class HTTP11(H11Protocol):
     async def _check_protocol(self, event: h11.Request) -> None:
         if self._upgrades:
             await super()._check_protocol(event)
+
+    def frame_body(self, body: bytes) -> bytes | None:
+        """``body`` framed as the next piece of the response in progress, as hypercorn would
+        send it; ``None`` where hypercorn would not send it as one (no response body in
+        progress, or one it suppresses, as a HEAD's), or where the framing counts what it
+        frames (a declared ``content-length``).
+
+        For a write that does not wait (``ClientConnection.send_body_now``): h11 frames a
+        body of no declared length (chunked, or up to the close) keeping no count, so bytes
+        framed and then not written can be framed again.
+        """
+        stream = self.stream
+        if not isinstance(stream, HTTPStream) or stream.state is not ASGIHTTPState.RESPONSE:
+            return None
+        response = stream.response
+        if suppress_body(stream.scope["method"], int(response["status"])):
+            return None
+        if any(bytes(name).lower() == b"content-length" for name, _ in response["headers"]):
+            return None
+        if self.connection.our_state is not h11.SEND_BODY:
+            return None
+        data: bytes = self.connection.send(h11.Data(data=body))
+        return data
 
     def buffered(self) -> int:
         """Bytes received that h11 has not parsed yet: the next request's, while paused."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import trio
 
 from .._core._worker import Worker
-from .._hosted_app import EXCHANGE_KEY, HostedApp
+from .._hosted_app import EXCHANGE_KEY, SEND_NOW_KEY, HostedApp
 from .._limits import ServerLimits
 from ._admission import Admission
 from ._asgi import (
@@ -105,7 +105,8 @@ class HostedRoutes:
                 response = _Response(send, nursery, self._heartbeats, limits, exchange)
                 nursery.start_soon(self._watch_disconnect, receive, exchange, response, gone)
                 try:
-                    await self._app({**scope, EXCHANGE_KEY: exchange}, app_receive, response.send)
+                    seam = {EXCHANGE_KEY: exchange, SEND_NOW_KEY: response.send_now}
+                    await self._app({**scope, **seam}, app_receive, response.send)
                 except Exception:
                     logger.exception("%s %s failed", scope["method"], scope["path"])
                     if not response.started:
@@ -179,6 +180,8 @@ class _Response:
         self.ended = False
         self.last_active = trio.current_time()
         self._beat_asked = self.last_active
+        #: The connection's write that does not wait, once a streamed body is under way.
+        self._write_at_once: Callable[[bytes], bool] | None = None
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -186,10 +189,33 @@ class _Response:
             self.status = int(message["status"])
             if _is_event_stream(message):
                 self._nursery.start_soon(self._beat_while_silent)
+                connection = current_connection()
+                if connection is not None:
+                    self._write_at_once = connection.send_body_now
         elif not message.get("more_body", False):
             self.ended = True
         async with self._lock:
             await self._write(message)
+
+    def send_now(self, message: Message) -> bool:
+        """A chunk of a streamed body, written at once where it can be (``SendNow``).
+
+        Under ``serve``, over HTTP/1.1, with no write of this response in
+        progress; the connection's bounds still hold, because what the socket
+        does not take at once goes the usual way (``send_body_now``).
+        """
+        write = self._write_at_once
+        if (
+            write is None
+            or self.ended
+            or self._lock.locked()
+            or message["type"] != "http.response.body"
+            or not message.get("more_body", False)
+            or not write(bytes(message.get("body", b"")))
+        ):
+            return False
+        self.last_active = trio.current_time()
+        return True
 
     def beat(self) -> None:
         self._beat_asked = trio.current_time()
