@@ -150,7 +150,7 @@ def sglang_matrix(session: nox.Session) -> None:
         if paths:
             _install_release(session, releases / release, release)
         if release in SGLANG_KERNEL_STANDIN:
-            paths.append(str(Path("src/trio_sglang/_sgl_kernel_standin").resolve()))
+            paths.append(str(Path("src/trio_sglang/_sglang/_sgl_kernel_standin").resolve()))
         session.log(f"SGLang {release}")
         env = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
         if release in MATRIX_REFUSED:

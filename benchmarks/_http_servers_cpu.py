@@ -29,7 +29,7 @@ from typing import Any
 
 import _cpu_kv_transfer
 from _missed_aborts import MISS_FIRST_ABORT, install
-from trio_sglang._sglang_cpu import CPU_DEFAULTS, prepare_cpu_engine
+from trio_sglang._sglang._cpu import CPU_DEFAULTS, prepare_cpu_engine
 
 __all__ = ["SLOW_PROMPT", "cpu_flags", "main", "slow_down"]
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[MISS_FIRST_ABORT] = "1"  # for the scheduler process, which inherits it
         install()
     if args.server == "trio-sglang":
-        from trio_sglang._cli import main as trio_sglang
+        from trio_sglang._cli._main import main as trio_sglang
 
         return trio_sglang(["serve", "--engine", "sglang", "--device", "cpu", *flags])
     from sglang.launch_server import run_server

@@ -126,7 +126,7 @@ async def _stopped() -> None:
 async def run(app: FloorApp, host: str, port: int) -> None:
     config = Config()
     config.bind = [f"{host}:{port}"]
-    # As ``serve`` configures hypercorn (server/_run.py): a deep accept queue, no
+    # As ``serve`` configures hypercorn (server/_serving.py): a deep accept queue, no
     # access log, errors through logging, ``serve``'s default keep-alive.
     config.backlog = 4096
     config.accesslog = None

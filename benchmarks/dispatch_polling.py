@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from trio_sglang import RequestPhase
-from trio_sglang._phase_poller import PhasePoller
+from trio_sglang._sglang._phase_poller import PhasePoller
 
 TICK = 0.0005
 WAITERS = (1, 100, 1000)

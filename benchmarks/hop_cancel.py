@@ -36,7 +36,7 @@ from _dynamo_local import Deployment
 from _output import table, write_json
 from _serve_processes import start_router, start_workers
 from _subprocesses import free_port
-from trio_sglang.bench_endpoint._phases import ALL_PHASES
+from trio_sglang.bench_endpoint._departures import ALL_PHASES
 from trio_sglang.bench_endpoint._report import Report, load, percentile
 
 #: bench-endpoint's ways of leaving (``stay`` is no leave).

@@ -41,7 +41,7 @@ from _load_hostile import HostileTally, run_hostile
 from _load_report import LoadReport
 from _load_run import progress_steps, run_server
 from _output import Progress, machine, write_json
-from trio_sglang._cli_fields import positive_int
+from trio_sglang._cli._field_options import positive_int
 
 __all__ = ["main", "run_edge", "run_load"]
 

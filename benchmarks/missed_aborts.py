@@ -60,7 +60,7 @@ def resent(server: Server) -> int:
 
 
 def run(model: Path, folder: Path, cancels: int) -> list[dict[str, Any]]:
-    from trio_sglang._sglang_semantics import detect_semantics
+    from trio_sglang._sglang._semantics import detect_semantics
 
     version = detect_semantics().version
     rows = []

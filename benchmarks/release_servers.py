@@ -141,7 +141,7 @@ def one_client(server: Server, phase: str) -> tuple[int, int, int]:
 
 
 def run(folder: Path, repeats: int) -> list[dict[str, Any]]:
-    from trio_sglang._sglang_semantics import detect_semantics
+    from trio_sglang._sglang._semantics import detect_semantics
 
     semantics = detect_semantics()
     rows = []

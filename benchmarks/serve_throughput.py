@@ -57,7 +57,7 @@ from _output import (
 )
 from _sse_client import Reading, reading_from
 from _throughput_report import SERVERS, Cell, Server, ThroughputReport
-from trio_sglang._cli_fields import positive_int
+from trio_sglang._cli._field_options import positive_int
 from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = ["FULL", "QUICK", "Config", "build_parser", "main", "record_events", "run_benchmark"]

@@ -3,7 +3,7 @@
 A server on loopback, on a SimEngine that remembers every request the worker
 sent it; the clients are the openai SDK (SGLang's fields in ``extra_body``, as
 a benchmarking client sends ``min_tokens``) and httpx. What each route does
-with SGLang 0.5.23's fields (``_protocol/_openai_fields.py``, ``_fields.py``):
+with SGLang 0.5.23's fields (``_protocol/_openai_fields.py``, ``_request/_fields.py``):
 
 - a field SGLang maps reaches the engine under SGLang's name (``min_tokens``
   as ``min_new_tokens``, ``response_format`` as a ``json_schema``);
@@ -28,7 +28,7 @@ import trio
 
 import trio_sglang as ts
 from test_server import sse_payloads
-from trio_sglang._cli import build_parser
+from trio_sglang._cli._main import build_parser
 from trio_sglang._protocol import _openai_fields
 from trio_sglang._protocol._openai_fields import Route
 from trio_sglang.server import serve

@@ -1,4 +1,4 @@
-"""trio as the guest of an asyncio loop, and each side awaiting the other (``_asyncio_side.py``).
+"""trio as the guest of an asyncio loop, and each side awaiting the other (``_asyncio_bridge/_asyncio_side.py``).
 
 Every test runs a real guest run (``run_as_guest``) on asyncio's own loop or
 uvloop, whichever is installed. A call across is owned by its caller: a
@@ -21,8 +21,8 @@ import trio.lowlevel
 import trio.testing
 
 from trio_sglang import SGLangEngine, run_as_guest
-from trio_sglang._asyncio_side import CANCEL_GRACE, TrioCalls, guest_side
-from trio_sglang._guest import run_beside_asyncio
+from trio_sglang._asyncio_bridge._asyncio_side import CANCEL_GRACE, TrioCalls, guest_side
+from trio_sglang._asyncio_bridge._guest import run_beside_asyncio
 
 
 def on_guest_side(body: Callable[[Any], Awaitable[Any]], **kwargs: Any) -> Any:

@@ -24,9 +24,9 @@ import trio.testing
 import trio_sglang as ts
 from conftest import finish_reason
 from trio_sglang._core._ids import RID_LENGTH
-from trio_sglang._fields import GENERATE_FIELDS
-from trio_sglang._sampling import SAMPLING_PARAMS
-from trio_sglang.sim._engine import HONOURED_FIELDS
+from trio_sglang._request._fields import GENERATE_FIELDS
+from trio_sglang._request._sampling import SAMPLING_PARAMS
+from trio_sglang.sim._sim_engine import HONOURED_FIELDS
 
 HELLO: dict[str, Any] = {"text": "Hello world", "sampling_params": {"max_new_tokens": 4}}
 

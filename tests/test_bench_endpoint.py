@@ -38,10 +38,10 @@ import trio
 from prometheus_client import parser
 
 from _processes import Process, start_router, start_workers
-from trio_sglang._cli import build_parser
+from trio_sglang._cli._main import build_parser
 from trio_sglang.bench_endpoint._command import plan_from_options, printable
 from trio_sglang.bench_endpoint._deconvolve import attribute_releases
-from trio_sglang.bench_endpoint._phases import ALL_PHASES, parse_phases
+from trio_sglang.bench_endpoint._departures import ALL_PHASES, parse_phases
 from trio_sglang.bench_endpoint._prometheus import Series, metric_names, parse_series
 from trio_sglang.bench_endpoint._report import (
     PhaseResult,
@@ -644,7 +644,7 @@ def test_without_the_bench_extra_it_says_so_in_one_line(hidden: str) -> None:
         import sys
 
         sys.modules[{hidden!r}] = None  # as if not installed
-        from trio_sglang._cli import main
+        from trio_sglang._cli._main import main
 
         sys.exit(main(["bench-endpoint", "--url", "http://127.0.0.1:1"]))
         """

@@ -133,7 +133,7 @@ async def test_a_missing_extra_is_one_line_on_stderr(
         import sys
 
         sys.modules[{hidden!r}] = None  # as if not installed
-        from trio_sglang._cli import main
+        from trio_sglang._cli._main import main
 
         sys.exit(main(["serve", "--port", "0", *{args!r}]))
         """

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from trio_sglang import _cli
-from trio_sglang._cli_fields import FieldOptions, field_docs
+from trio_sglang._cli import _main as _cli
+from trio_sglang._cli._field_options import FieldOptions, field_docs
 from trio_sglang._core._policy import AbortPolicy
 from trio_sglang._limits import API_KEY_ENV, ServerLimits
 from trio_sglang.sim import SimDisaggTiming

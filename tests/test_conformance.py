@@ -26,7 +26,7 @@ from trio.testing import MockClock
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 
 from trio_sglang import OutputMode, SimDisaggTiming
-from trio_sglang._asyncio_side import LOOP_KINDS
+from trio_sglang._asyncio_bridge._asyncio_side import LOOP_KINDS
 from trio_sglang_harness import (
     CancelPhase,
     DisaggSetup,

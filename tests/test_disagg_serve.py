@@ -56,7 +56,7 @@ from _readme import readme_block
 from conftest import read
 from trio_sglang.server import HTTPPrefill, ServerLimits, open_http_kv_rooms, serve
 from trio_sglang.server._inflight import InFlight, bootstrap_rooms
-from trio_sglang.server._kv_rooms import ROOMS_PATH, KVRoomsApp
+from trio_sglang.server._kv_rooms_http import ROOMS_PATH, KVRoomsApp
 
 PREFILL_ARGS = (
     "--disaggregation-mode", "prefill",

@@ -28,9 +28,9 @@ import pytest
 import trio
 
 from trio_sglang import SimEngine, open_worker
-from trio_sglang._chat import plain_transcript
-from trio_sglang._cli import build_parser
+from trio_sglang._cli._main import build_parser
 from trio_sglang._errors import InvalidRequest
+from trio_sglang._protocol._transcript import plain_transcript
 from trio_sglang.dynamo import MODEL_INPUTS, SIM_MODEL_PATH, DynamoEndpoint, RuntimePlanes
 from trio_sglang.dynamo._bridge import RequestBridge
 from trio_sglang.dynamo._exchange import Exchange
@@ -657,7 +657,7 @@ def test_a_text_stream_killed_stopped_or_closed_mid_stream_stops_the_engine(how:
 def test_the_command_says_what_to_install_when_dynamo_is_missing() -> None:
     script = (
         "import sys; sys.modules['dynamo'] = None\n"  # as if not installed
-        "from trio_sglang._cli import main\n"
+        "from trio_sglang._cli._main import main\n"
         "sys.exit(main(['dynamo-worker', '--model-name', 'm']))"
     )
     done = subprocess.run(
@@ -673,7 +673,7 @@ def test_the_command_says_what_to_install_for_the_trio_asyncio_host() -> None:
         "import sys, importlib.util\n"
         # As if Dynamo were here and trio-asyncio not.
         "importlib.util.find_spec = lambda name, *a: None if name == 'trio_asyncio' else object()\n"
-        "from trio_sglang._cli import main\n"
+        "from trio_sglang._cli._main import main\n"
         "sys.exit(main(['dynamo-worker', '--model-name', 'm', '--loop', 'trio-asyncio']))"
     )
     done = subprocess.run(

@@ -723,7 +723,7 @@ async def test_regression_native_batch_of_one_prompt_is_aborted_without_release_
 ) -> None:
     """Found by ``test_lifecycle_fuzz``: a stopped batch of ONE prompt decoded to its end.
 
-    ``ParsedRequest.engine_request`` (src/trio_sglang/_request.py) sends the
+    ``ParsedRequest.engine_request`` (src/trio_sglang/_request/_parse.py) sends the
     minted rid as a plain string when it minted only one, even for a native
     batch (``text=[prompt]``); SGLang (``GenerateReqInput._normalize_rid``)
     and the SimEngine then register ``<rid>_0``, an id the worker does not

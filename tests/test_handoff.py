@@ -8,7 +8,7 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
-from trio_sglang._handoff import Handoff
+from trio_sglang._asyncio_bridge._handoff import Handoff
 
 
 async def test_the_trio_side_holds_one_item_and_waits_for_room() -> None:

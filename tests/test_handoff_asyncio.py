@@ -23,8 +23,8 @@ import trio
 import trio_asyncio
 from trio.testing import MockClock
 
-from trio_sglang._handoff import Handoff, aio_receive, aio_send
-from trio_sglang._sglang_app import _SGLangApp
+from trio_sglang._asyncio_bridge._handoff import Handoff, aio_receive, aio_send
+from trio_sglang._sglang._server_app import _SGLangApp
 
 pytestmark = pytest.mark.sglang
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from _benchmarks import benchmark_fixture
-from trio_sglang._sglang_semantics import detect_semantics
+from trio_sglang._sglang._semantics import detect_semantics
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 pytest.importorskip("dynamo.sglang", reason="needs ai-dynamo 1.6.1: run `nox -s sglang`")

@@ -1,7 +1,7 @@
 """``serve`` hosting the installed release's own server application answers as that server does.
 
 ``serve --engine sglang`` runs SGLang's own application over the lifecycle
-(``_sglang_app.py``), on every supported release. Here both servers run on
+(``_sglang/_server_app.py``), on every supported release. Here both servers run on
 the installed release's real TokenizerManager and the harness's stand-in
 scheduler (``benchmarks/_sglang_http.py``: ``--server sglang``, SGLang's
 own, as ``launch_server`` starts it, and ``--server hosted``, once on each

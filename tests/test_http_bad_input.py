@@ -55,12 +55,12 @@ from hypothesis import strategies as st
 
 import trio_sglang as ts
 from _fuzz import fuzz_settings
-from trio_sglang._fields import SGLANG_FIELDS
 from trio_sglang._protocol._openai_fields import CHAT_FIELDS, COMPLETION_FIELDS
-from trio_sglang._sampling import SAMPLING_PARAMS
+from trio_sglang._request._fields import SGLANG_FIELDS
+from trio_sglang._request._sampling import SAMPLING_PARAMS
 from trio_sglang.server import ServerLimits, serve
 from trio_sglang.server._asgi import DRAIN_BYTES, Message, read_json
-from trio_sglang.server._errors import HTTPError
+from trio_sglang.server._http_errors import HTTPError
 
 MODEL = "trio-sglang-sim"
 #: The server's body limit: a 100,000-deep ``{"a":...}`` (600 kB) fits under it.

@@ -20,7 +20,7 @@ import pytest
 
 import trio_sglang
 from _benchmarks import BENCHMARKS
-from trio_sglang._engines import EngineOptions, open_engine
+from trio_sglang._cli._engines import EngineOptions, open_engine
 from trio_sglang.server import ServerMetrics
 from trio_sglang.server._metrics import CountsEvents
 from trio_sglang.sim import DisaggregationMode, SimEngine, SimKVRooms
@@ -29,12 +29,19 @@ PACKAGE = Path(trio_sglang.__file__).parent
 
 #: What the lifecycle (``_core/``) stands on: the engine protocol, the errors, and
 #: SGLang's request as the worker checks it. The simulator is one engine among others.
-BENEATH_THE_CORE = ("_engine", "_errors", "_fields", "_request", "_sampling", "_values")
+BENEATH_THE_CORE = (
+    "_engine.py",
+    "_errors.py",
+    *(f"_request/{path.name}" for path in sorted((PACKAGE / "_request").glob("*.py"))),
+)
 #: The lifecycle's modules, and the modules it stands on.
 LIFECYCLE = (
     *sorted((PACKAGE / "_core").glob("*.py")),
-    *(PACKAGE / f"{name}.py" for name in (*BENEATH_THE_CORE, "_in_process_prefill")),
+    *(PACKAGE / name for name in BENEATH_THE_CORE),
 )
+#: The most modules the package's root holds: the public API, the engine protocol,
+#: the errors and a few leaves shared by the folders; everything else in a folder.
+ROOT_MODULES = 12
 
 
 def test_the_package_imports_without_trio_asyncio() -> None:
@@ -82,7 +89,7 @@ def test_the_package_root_loads_the_simulator_only_when_asked_for_it() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "trio_sglang.sim._engine", "True"]
+    assert result.stdout.split() == ["False", "trio_sglang.sim._sim_engine", "True"]
     with pytest.raises(AttributeError, match="has no attribute 'Simengine'"):
         trio_sglang.Simengine  # noqa: B018
 
@@ -98,7 +105,7 @@ def test_the_wheel_holds_the_product_and_not_the_harness(tmp_path: Path) -> None
     (wheel,) = tmp_path.glob("trio_sglang-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         packages = {name.split("/")[0] for name in archive.namelist()}
-        assert "trio_sglang/sim/_engine.py" in archive.namelist()
+        assert "trio_sglang/sim/_sim_engine.py" in archive.namelist()
         assert not [name for name in archive.namelist() if "harness" in name]
     assert {name for name in packages if not name.endswith(".dist-info")} == {"trio_sglang"}
 
@@ -140,10 +147,22 @@ def test_what_the_lifecycle_stands_on_never_imports_it(name: str) -> None:
     """The core sits on the engine protocol and SGLang's request checks, never the reverse."""
     core = sorted(
         imported
-        for imported in _imported(PACKAGE / f"{name}.py")
+        for imported in _imported(PACKAGE / name)
         if imported.startswith("trio_sglang._core")
     )
-    assert core == [], f"{name}.py imports the lifecycle: {core}"
+    assert core == [], f"{name} imports the lifecycle: {core}"
+
+
+def test_the_package_root_holds_few_modules_and_no_two_modules_share_a_name() -> None:
+    """A name found in a traceback or a grep says which module it is, wherever it sits."""
+    root = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(root) <= ROOT_MODULES, f"{len(root)} modules in the package root: {root}"
+    names: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py" and "_sgl_kernel_standin" not in path.parts:
+            names.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert shared == {}, f"modules that share a name: {shared}"
 
 
 def _module_name(path: Path, root: Path) -> str:

@@ -70,7 +70,7 @@ def test_every_phase_a_client_leaves_in_is_a_word_of_the_projects_vocabulary(loa
     client left as the server does
     (whose phases, and the cancel benchmark's, are typed by it: mypy checks those)."""
     from trio_sglang._phases import PHASES
-    from trio_sglang.bench_endpoint._phases import LEAVES
+    from trio_sglang.bench_endpoint._departures import LEAVES
 
     left = {outcome.removeprefix("left_") for outcome in load.clients.LEFT}
     assert left <= set(PHASES), left - set(PHASES)

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from trio_sglang import RequestPhase
-from trio_sglang._phase_poller import PhasePoller
+from trio_sglang._sglang._phase_poller import PhasePoller
 
 TICK = 0.01
 

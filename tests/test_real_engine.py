@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
-from trio_sglang._sglang_semantics import engine_keeps_a_tokenizer
+from trio_sglang._sglang._semantics import engine_keeps_a_tokenizer
 from trio_sglang_harness import Observation, Scenario, open_sglang_harness
 
 pytestmark = pytest.mark.real_engine

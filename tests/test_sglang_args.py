@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
-from trio_sglang._cli import _engine_options, _server_limits, build_parser
+from trio_sglang._cli._main import _engine_options, _server_limits, build_parser
 
 pytestmark = pytest.mark.real_engine
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from trio_sglang import _sglang_cpu
-from trio_sglang._sglang_cpu import CPU_ENGINE_ENV, prepare_cpu_engine, with_cpu_defaults
+from trio_sglang._sglang import _cpu as _sglang_cpu
+from trio_sglang._sglang._cpu import CPU_ENGINE_ENV, prepare_cpu_engine, with_cpu_defaults
 
 STANDIN = str(Path(_sglang_cpu.__file__).with_name("_sgl_kernel_standin"))
 

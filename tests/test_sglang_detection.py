@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from trio_sglang._sglang_release import (
+from trio_sglang._sglang._release import (
     Orphans,
     abort_dispatched,
     dispatched,
     forget_leftovers,
     states_of,
 )
-from trio_sglang._sglang_semantics import (
+from trio_sglang._sglang._semantics import (
     CloseRelease,
     DispatchMark,
     SGLangSemantics,

@@ -29,7 +29,7 @@ import trio
 import trio.testing
 import trio_asyncio
 
-from trio_sglang._sglang_engine import _log_errors_nobody_awaits, _take_any_executor
+from trio_sglang._sglang._sglang_engine import _log_errors_nobody_awaits, _take_any_executor
 
 pytestmark = pytest.mark.sglang
 

@@ -1,7 +1,7 @@
 """Field parity with SGLang 0.5.23, read from SGLang itself: its fields, defaults and ranges.
 
 The fields the lifecycle and the server accept are typed out in the modules
-that check them (``_fields.py``, ``_sampling.py``, ``_protocol/_openai_fields.py``);
+that check them (``_request/_fields.py``, ``_request/_sampling.py``, ``_protocol/_openai_fields.py``);
 these tests read SGLang's own definitions and fail when the two differ
 without a reason written down here:
 
@@ -48,12 +48,16 @@ with warnings.catch_warnings():
     from sglang.srt.sampling.sampling_params import SamplingParams
 
 from trio_sglang import InvalidRequest
-from trio_sglang._fields import GENERATE_FIELDS, OWN_FIELDS, REFUSED_FIELDS, SGLANG_FIELDS
 from trio_sglang._protocol import _openai_fields
 from trio_sglang._protocol._openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, Route
-from trio_sglang._request import parse_request
-from trio_sglang._sampling import REFUSED_SAMPLING_PARAMS, SAMPLING_PARAMS, check_sampling_params
-from trio_sglang._values import is_one_of
+from trio_sglang._request._fields import GENERATE_FIELDS, OWN_FIELDS, REFUSED_FIELDS, SGLANG_FIELDS
+from trio_sglang._request._parse import parse_request
+from trio_sglang._request._sampling import (
+    REFUSED_SAMPLING_PARAMS,
+    SAMPLING_PARAMS,
+    check_sampling_params,
+)
+from trio_sglang._request._values import is_one_of
 
 pytestmark = pytest.mark.sglang
 

@@ -3,7 +3,7 @@
 Runs in ``nox -s sglang`` on 0.5.23 and in ``nox -s sglang-matrix`` on each
 release there (marker ``sglang``). ``READ_FROM_THE_CODE`` is what a reading
 of each release's ``tokenizer_manager.py`` found; the run-time detection
-(``_sglang_semantics.py``) must agree with it on every release it lists.
+(``_sglang/_semantics.py``) must agree with it on every release it lists.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ with warnings.catch_warnings():
     from sglang.version import __version__
 
 from trio_sglang import EngineFeatures, InvalidRequest, SGLangEngine, UnsupportedSGLang
-from trio_sglang._fields import check_honoured
-from trio_sglang._sglang_fields_taken import fields_taken
-from trio_sglang._sglang_semantics import (
+from trio_sglang._request._fields import check_honoured
+from trio_sglang._sglang._fields_taken import fields_taken
+from trio_sglang._sglang._semantics import (
     MINIMUM_RELEASE,
     detect_semantics,
     engine_keeps_a_tokenizer,

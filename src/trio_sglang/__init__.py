@@ -7,19 +7,19 @@ the real SGLang never loads the SimEngine.
 
 from typing import TYPE_CHECKING, Any
 
+from ._asyncio_bridge._guest import run_as_guest
 from ._core._context import RequestContext
 from ._core._disagg import PrefillFailed, PrefillPeer, Role
+from ._core._in_process_prefill import InProcessPrefill
 from ._core._policy import AbortPolicy
 from ._core._reports import EngineFault, WorkerObserver
 from ._core._worker import PreparedRequest, ResponseStream, Worker, open_worker
 from ._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
 from ._errors import EngineError, EngineShutdown, InvalidRequest
-from ._guest import run_as_guest
-from ._in_process_prefill import InProcessPrefill
 from ._kv_rooms import BootstrapAddr, KVRooms, RoomEvent
-from ._request import OutputMode
-from ._sglang_engine import SGLangEngine
-from ._sglang_semantics import UnsupportedSGLang
+from ._request._parse import OutputMode
+from ._sglang._semantics import UnsupportedSGLang
+from ._sglang._sglang_engine import SGLangEngine
 from ._version import __version__
 
 if TYPE_CHECKING:

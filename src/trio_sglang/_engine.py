@@ -92,7 +92,7 @@ class EngineFeatures:
     context_length: int | None = None
     #: The request fields the engine acts on (top-level names, and
     #: ``sampling_params.<name>``); the worker refuses a request that asks for
-    #: any other (``_fields.py``). ``None``: the engine honours every field.
+    #: any other (``_request/_fields.py``). ``None``: the engine honours every field.
     honoured_fields: frozenset[str] | None = None
     #: How the installed SGLang registers, dispatches and releases requests, as JSON.
     sglang_semantics: Mapping[str, Any] | None = None

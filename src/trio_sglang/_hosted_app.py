@@ -2,7 +2,7 @@
 
 SGLang's server is more than its engine: some ninety routes, request
 validation, chat templates, tool-call and reasoning parsers, usage, error
-bodies. ``serve --engine sglang`` runs that very application (``_sglang_app.py``)
+bodies. ``serve --engine sglang`` runs that very application (``_sglang/_server_app.py``)
 instead of writing it again, and keeps for itself what trio-sglang is for:
 the connection and its bounds, authentication, and every engine request,
 which goes through the worker's lifecycle.

@@ -42,7 +42,7 @@ from typing import Any
 
 import trio
 
-from trio_sglang._asyncio_side import AsyncioSide
+from trio_sglang._asyncio_bridge._asyncio_side import AsyncioSide
 
 from ._scenarios import CallerStream
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import trio
 
-from trio_sglang._asyncio_side import LoopKind
+from trio_sglang._asyncio_bridge._asyncio_side import LoopKind
 
 from ._chat import ChatPrompts
 from ._peer import DisaggSetup

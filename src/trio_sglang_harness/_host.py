@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from trio_sglang import AbortPolicy, RequestPhase, SGLangEngine, open_worker
-from trio_sglang._asyncio_side import LOOP_KINDS
-from trio_sglang._guest import run_beside_asyncio
+from trio_sglang._asyncio_bridge._asyncio_side import LOOP_KINDS
+from trio_sglang._asyncio_bridge._guest import run_beside_asyncio
 
 from ._chat import observe_chat
 from ._peer import DisaggSetup

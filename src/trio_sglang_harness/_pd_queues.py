@@ -3,7 +3,7 @@
 In a disaggregated role the stand-in scheduler (``_scheduler.py``) holds each
 request in its role's queues before decoding it (decode) or instead (prefill).
 The queues, their timing and how each takes an abort are the SimEngine's
-model (``trio_sglang.sim._disagg``, read off SGLang 0.5.23's
+model (``trio_sglang.sim._sim_disagg``, read off SGLang 0.5.23's
 ``srt/disaggregation``), so that the real TokenizerManager and the SimEngine
 can be compared stage by stage; the other side of every room is the fixed
 peer script of ``DisaggSetup``.
@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
-from trio_sglang.sim._disagg import ABORTED, NO_ROOM, abort_reason, kv_timed_out, room_failed
+from trio_sglang.sim._sim_disagg import ABORTED, NO_ROOM, abort_reason, kv_timed_out, room_failed
 
 from ._peer import DisaggSetup
 

@@ -33,7 +33,7 @@ import trio
 
 from .._engine import Role
 from .._errors import InvalidRequest
-from .._request import ParsedRequest
+from .._request._parse import ParsedRequest
 from ._reports import Reports
 
 __all__ = [

@@ -55,7 +55,7 @@ import trio
 
 from .._engine import Engine, EngineStream, HearsScheduler, RequestPhase, SchedulerEcho
 from .._errors import EngineError, EngineShutdown
-from .._request import OutputMode
+from .._request._parse import OutputMode
 from ._cleanup import ordered_abort, released
 from ._cleanup_group import CleanupGroup
 from ._confirm import DEAF, confirm_abort

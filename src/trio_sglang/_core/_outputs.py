@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._request import OutputMode, ParsedRequest
+from .._request._parse import OutputMode, ParsedRequest
 
 __all__ = ["PublicIds", "format_chunk"]
 

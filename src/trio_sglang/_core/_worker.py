@@ -38,8 +38,8 @@ import trio
 
 from .._engine import Engine, EngineFeatures, HearsScheduler, Role
 from .._errors import EngineError, EngineShutdown, InvalidRequest
-from .._fields import check_honoured
-from .._request import OutputMode, ParsedRequest, parse_request
+from .._request._fields import check_honoured
+from .._request._parse import OutputMode, ParsedRequest, parse_request
 from ._capabilities import build_capabilities
 from ._cleanup_group import CleanupGroup, open_cleanup_group
 from ._confirm import DEAF

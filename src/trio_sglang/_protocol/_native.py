@@ -7,8 +7,8 @@ import uuid
 from typing import Any
 
 from .._errors import InvalidRequest
-from .._fields import SGLANG_FIELDS
-from .._values import shown
+from .._request._fields import SGLANG_FIELDS
+from .._request._values import shown
 from ._plan import Plan
 from ._sse import sse_event
 

@@ -8,15 +8,15 @@ from abc import abstractmethod
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from .._chat import plain_transcript
 from .._core._worker import PreparedRequest, Worker
 from .._engine import ChatTemplating
 from .._errors import InvalidRequest
-from .._values import is_token_list
+from .._request._values import is_token_list
 from ._json import Template
 from ._openai_fields import Route, check_sampling, native_fields
 from ._plan import Plan
 from ._sse import sse_data
+from ._transcript import plain_transcript
 
 __all__ = ["ChatPlan", "CompletionPlan", "OpenAIPlan"]
 

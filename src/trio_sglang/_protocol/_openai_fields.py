@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 from .._errors import InvalidRequest
-from .._sampling import check_sampling_params, native_name
-from .._values import is_int, is_one_of, shown
+from .._request._sampling import check_sampling_params, native_name
+from .._request._values import is_int, is_one_of, shown
 
 __all__ = [
     "CHAT_FIELDS",

@@ -9,7 +9,7 @@ from typing import Any
 
 from .._core._outputs import PublicIds
 from .._core._worker import PreparedRequest, Worker
-from .._request import ParsedRequest
+from .._request._parse import ParsedRequest
 
 __all__ = ["ChildResult", "Plan"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 from .._limits import API_KEY_ENV
-from ._phases import ALL_PHASES, parse_phases
+from ._departures import ALL_PHASES, parse_phases
 from ._plot import plot
 from ._report import Report, compare_table, load, table
 from ._run import Plan, Refused, run_bench

@@ -13,7 +13,7 @@ from typing import get_args
 
 from .._limits import API_KEY_ENV
 from ._apis import Api
-from ._phases import MEANING
+from ._departures import MEANING
 from ._servers import KINDS
 
 __all__ = ["add_options"]

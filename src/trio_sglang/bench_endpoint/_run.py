@@ -26,7 +26,7 @@ import httpx
 import trio
 
 from ._deconvolve import attribute_releases
-from ._phases import Phase
+from ._departures import Phase
 from ._prometheus import parse_series
 from ._report import PhaseResult, Report, percentile
 from ._sampler import Sample, Sampler, ScrapeFailed, scrape

@@ -26,7 +26,7 @@ import trio
 from .._bounded_http import BadAnswer, parse_json, read_answer
 from ._apis import API_PATHS, Api, request_body
 from ._clients import Stream, http_client, leave_when_sent, read_events
-from ._phases import Phase
+from ._departures import Phase
 
 __all__ = ["LeaveRule", "Target", "Visit", "discover_model", "visit"]
 

@@ -2,7 +2,7 @@
 
 Dynamo's runtime is asyncio: it calls the endpoint's handler on its event
 loop and its own awaitables (registration, serving) must be awaited there.
-The worker is trio. The two ways of ``_asyncio_side.py`` put both in one
+The worker is trio. The two ways of ``_asyncio_bridge/_asyncio_side.py`` put both in one
 thread: ``guest`` (the default), uvloop as the host and trio its guest;
 ``trio-asyncio``, trio as the host. With ``guest`` an ``SGLangEngine`` runs
 SGLang's code on the runtime's loop too (``open_engine(asyncio_loop=)``).
@@ -19,8 +19,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from .._asyncio_side import LOOP_KINDS, AsyncioSide, LoopKind, guest_side, open_trio_asyncio_side
-from .._guest import run_beside_asyncio
+from .._asyncio_bridge._asyncio_side import (
+    LOOP_KINDS,
+    AsyncioSide,
+    LoopKind,
+    guest_side,
+    open_trio_asyncio_side,
+)
+from .._asyncio_bridge._guest import run_beside_asyncio
 
 __all__ = ["HOSTS", "AsyncioHost", "HostKind", "run_hosted"]
 

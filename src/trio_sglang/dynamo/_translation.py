@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._request import OutputMode
+from .._request._parse import OutputMode
 from ._exchange import Merge
 
 __all__ = ["InputMode", "Translation"]

@@ -18,10 +18,10 @@ SimEngine reaches them with ``open_http_kv_rooms()``.
 from .._limits import ServerLimits
 from ._app import ServerApp
 from ._http import ListenError
-from ._kv_rooms import HTTPKVRooms, open_http_kv_rooms
+from ._kv_rooms_http import HTTPKVRooms, open_http_kv_rooms
 from ._metrics import ServerMetrics
 from ._prefill_peer import HTTPPrefill
-from ._run import ForcedShutdown, serve
+from ._serving import ForcedShutdown, serve
 
 __all__ = [
     "ForcedShutdown",

@@ -32,8 +32,8 @@ from typing import Any, TypeGuard
 from .._core._disagg import PrefillPeer
 from .._limits import Address, ServerLimits, parse_address
 from ._asgi import Scope
-from ._errors import HTTPError
-from ._kv_rooms import bootstrap_base_url
+from ._http_errors import HTTPError
+from ._kv_rooms_http import bootstrap_base_url
 from ._metrics import RefusalReason, ServerMetrics
 
 __all__ = ["Admission", "Refused"]

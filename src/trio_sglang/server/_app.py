@@ -45,10 +45,10 @@ from ._asgi import (
     start_sse,
 )
 from ._connection import DropReason, current_connection
-from ._errors import HTTPError, error_body, method_not_allowed
 from ._hosted import HostedRoutes
+from ._http_errors import HTTPError, error_body, method_not_allowed
 from ._inflight import InFlight, abort_target, bootstrap_rooms
-from ._kv_rooms import ROOMS_PATH, KVRoomsApp
+from ._kv_rooms_http import ROOMS_PATH, KVRoomsApp
 from ._metrics import Outcome, ServerMetrics
 from ._outbox import Heartbeats, Outbox
 

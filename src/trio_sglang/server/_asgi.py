@@ -10,7 +10,7 @@ from typing import Any, NoReturn, TypeVar
 import trio
 
 from .._protocol._json import dumps
-from ._errors import HTTPError
+from ._http_errors import HTTPError
 
 __all__ = [
     "DRAIN_BYTES",

@@ -39,8 +39,8 @@ from ._asgi import (
     send_json,
 )
 from ._connection import current_connection
-from ._errors import HTTPError
-from ._exchange import HTTPExchange
+from ._http_errors import HTTPError
+from ._http_exchange import HTTPExchange
 from ._inflight import InFlight
 from ._metrics import Outcome, ServerMetrics
 from ._outbox import Heartbeats

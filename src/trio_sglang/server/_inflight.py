@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._core._context import RequestContext
-from ._errors import HTTPError
+from ._http_errors import HTTPError
 
 __all__ = ["InFlight", "abort_target", "bootstrap_rooms"]
 

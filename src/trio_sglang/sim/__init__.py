@@ -8,8 +8,8 @@ factory.
 """
 
 from .._kv_rooms import BootstrapAddr, KVRooms, RoomEvent
-from ._disagg import DisaggregationMode, SimDisaggTiming, SimKVRooms
-from ._engine import SimEngine
+from ._sim_disagg import DisaggregationMode, SimDisaggTiming, SimKVRooms
+from ._sim_engine import SimEngine
 from ._trace import Trace, TraceEvent, TraceKind
 
 __all__ = [

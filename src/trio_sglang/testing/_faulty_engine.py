@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import trio
 
-from .._chat import plain_transcript
 from .._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
+from .._protocol._transcript import plain_transcript
 
 __all__ = ["AbortFault", "CloseFault", "Faults", "FaultyEngine"]
 

@@ -47,7 +47,7 @@ import trio
 from .._bounded_http import BadAnswer, read_answer
 from .._kv_rooms import BootstrapAddr, HostedKVRooms, RoomEvent
 from ._asgi import ClientGone, Receive, Scope, Send, read_json_within, send_json
-from ._errors import HTTPError, method_not_allowed
+from ._http_errors import HTTPError, method_not_allowed
 
 __all__ = ["ROOMS_PATH", "HTTPKVRooms", "KVRoomsApp", "bootstrap_base_url", "open_http_kv_rooms"]
 

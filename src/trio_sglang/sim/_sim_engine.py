@@ -8,17 +8,17 @@ from typing import Any, get_args
 
 import trio
 
-from .._chat import plain_transcript
 from .._engine import EngineFeatures, RequestPhase, SchedulerEcho
 from .._kv_rooms import KVRooms
-from .._sampling import SAMPLING_PARAMS, native_name
-from ._disagg import (
+from .._protocol._transcript import plain_transcript
+from .._request._sampling import SAMPLING_PARAMS, native_name
+from ._scheduler import SimTiming
+from ._sim_disagg import (
     DisaggregationMode,
     SimDecodeScheduler,
     SimDisaggTiming,
     SimPrefillScheduler,
 )
-from ._scheduler import SimTiming
 from ._tokenizer import SchedulerFactory, SimStream, SimTokenizerManager
 from ._trace import Trace, TraceKind
 

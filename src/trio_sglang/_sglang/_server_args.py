@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._sglang_cpu import prepare_cpu_engine
+from ._cpu import prepare_cpu_engine
 
 __all__ = [
     "SERVER_FLAGS_REFUSED",

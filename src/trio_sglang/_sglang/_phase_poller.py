@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import trio
 
-from ._engine import RequestPhase
+from .._engine import RequestPhase
 
 __all__ = ["PhasePoller"]
 

@@ -48,12 +48,20 @@ from typing import Any
 
 import trio
 
-from ._asyncio_side import TrioCalls
-from ._errors import InvalidRequest
-from ._handoff import Handoff, aio_receive, aio_send
-from ._hosted_app import EXCHANGE_KEY, SEND_NOW_KEY, Exchange, Feed, HostedApp, HTTPRefusal, SendNow
-from ._increments import IncrementQueue
-from ._sglang_semantics import streams_increments
+from .._asyncio_bridge._asyncio_side import TrioCalls
+from .._asyncio_bridge._handoff import Handoff, aio_receive, aio_send
+from .._errors import InvalidRequest
+from .._hosted_app import (
+    EXCHANGE_KEY,
+    SEND_NOW_KEY,
+    Exchange,
+    Feed,
+    HostedApp,
+    HTTPRefusal,
+    SendNow,
+)
+from .._increments import IncrementQueue
+from ._semantics import streams_increments
 
 __all__ = ["hosted_sglang_app"]
 

@@ -2,7 +2,7 @@
 
 SGLang is asyncio code. The ``TokenizerManager``'s generator and its receive
 loop run beside the worker's trio tasks in one thread, on one of two asyncio
-loops (``_asyncio_side.py``): the host loop the trio run is the guest of
+loops (``_asyncio_bridge/_asyncio_side.py``): the host loop the trio run is the guest of
 (``asyncio_loop=``, from ``run_as_guest``: SGLang at uvloop's speed), or
 else trio-asyncio's loop, opened inside the trio run by ``running()``.
 trio-asyncio is imported only then, so that neither ``import trio_sglang``
@@ -10,7 +10,7 @@ nor a guest run needs it. What this adapter does for the lifecycle, given how
 SGLang's TokenizerManager holds and releases requests:
 
 - ``running`` reads how the installed SGLang registers, dispatches and
-  releases requests (``_sglang_semantics.py``) and refuses a release older
+  releases requests (``_sglang/_semantics.py``) and refuses a release older
   than ``MINIMUM_RELEASE`` in one line, before anything starts;
 - ``generate`` builds the ``GenerateReqInput`` that ``Engine.async_generate``
   builds and pulls ``tokenizer_manager.generate_request`` one item at a time;
@@ -19,18 +19,18 @@ SGLang's TokenizerManager holds and releases requests:
   for it).
   Where that release path is missing or forgets dispatched requests (before
   0.5.20, but 0.5.17), the stream aborts them before SGLang's close runs and
-  forgets what SGLang leaves registered (``_sglang_release.py``), so every
+  forgets what SGLang leaves registered (``_sglang/_release.py``), so every
   supported release releases on close;
 - ``aclose`` closes the generator explicitly, because a generator parked at
   its ``yield`` is otherwise finalised only by the garbage collector;
 - it hears its scheduler on the ids it sent an abort for, and sends an abort
-  again past SGLang's once-only flag (``HearsScheduler``, ``_sglang_echoes.py``);
+  again past SGLang's once-only flag (``HearsScheduler``, ``_sglang/_scheduler_echoes.py``);
 - ``phase`` reads ``rid_to_state`` and the dispatch mark; there is no event to
   wait on, so one ``PhasePoller`` task per engine looks, at a short fixed
   interval, at every rid somebody waits on (and ticks only while somebody does);
 - outputs are made incremental whatever ``incremental_streaming_output`` says;
 - ``render_chat`` (``ChatTemplating``) renders chat messages as SGLang's own
-  chat route does, with that route's code (``_sglang_chat.py``).
+  chat route does, with that route's code (``_sglang/_chat_prompts.py``).
 
 Where the runtime lacks the registry, the lifecycle falls back to the ids the
 responses reveal (``phase`` then answers from what the streams have seen).
@@ -48,17 +48,22 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._asyncio_side import AsyncioSide, guest_side, open_trio_asyncio_side, trio_asyncio
-from ._echoes import Echoes
-from ._engine import EngineFeatures, RequestPhase, SchedulerEcho
-from ._hosted_app import HostedApp
+from .._asyncio_bridge._asyncio_side import (
+    AsyncioSide,
+    guest_side,
+    open_trio_asyncio_side,
+    trio_asyncio,
+)
+from .._echoes import Echoes
+from .._engine import EngineFeatures, RequestPhase, SchedulerEcho
+from .._hosted_app import HostedApp
+from ._chat_prompts import SGLangChat
+from ._cpu import prepare_cpu_engine, with_cpu_defaults
+from ._fields_taken import fields_taken
 from ._phase_poller import PhasePoller
-from ._sglang_chat import SGLangChat
-from ._sglang_cpu import prepare_cpu_engine, with_cpu_defaults
-from ._sglang_echoes import hearing_scheduler, send_abort
-from ._sglang_fields_taken import fields_taken
-from ._sglang_release import Orphans, abort_dispatched, dispatched, forget_leftovers, states_of
-from ._sglang_semantics import (
+from ._release import Orphans, abort_dispatched, dispatched, forget_leftovers, states_of
+from ._scheduler_echoes import hearing_scheduler, send_abort
+from ._semantics import (
     SGLangSemantics,
     detect_semantics,
     engine_keeps_a_tokenizer,
@@ -85,7 +90,7 @@ class SGLangEngine:
     which case ``running()`` launches an ``sglang.Engine`` in a thread (the
     trio loop goes on while the model loads) and shuts it down at the end.
     With ``device="cpu"`` that is SGLang's CPU engine, prepared here before
-    SGLang is imported (``_sglang_cpu.py``), with CPU defaults under the
+    SGLang is imported (``_sglang/_cpu.py``), with CPU defaults under the
     arguments given. ``poll_interval`` (seconds) is how often the engine looks
     at the registry for the requests that ``wait_phase_change`` callers wait on.
     ``asyncio_loop``: the running asyncio loop this trio run is the guest of
@@ -314,8 +319,8 @@ class SGLangEngine:
     def hosted_app(
         self, served_at: Callable[[], str | None]
     ) -> AbstractAsyncContextManager[HostedApp]:
-        """SGLang's own HTTP server application over this running engine (``_sglang_app.py``)."""
-        from ._sglang_app import hosted_sglang_app
+        """SGLang's own HTTP server application over this running engine (``_sglang/_server_app.py``)."""
+        from ._server_app import hosted_sglang_app
 
         return hosted_sglang_app(self, served_at)
 
@@ -517,7 +522,7 @@ class _SGLangStream:
 
         The pull runs shielded in a task of its own, which this coroutine
         always awaits to its end, so that the abort goes out while the
-        request's states are still registered (``_sglang_release.py``).
+        request's states are still registered (``_sglang/_release.py``).
         """
         pull = asyncio.ensure_future(self._agen.__anext__())
         try:

@@ -2,7 +2,7 @@
 
 SGLang's ``GenerateReqInput`` has some seventy top-level fields. Each one is
 here: the request's own (``OWN_FIELDS``: the prompt, ``sampling_params``,
-``rid``, ``stream``, which ``_request.py`` checks), the ones passed to the
+``rid``, ``stream``, which ``_request/_parse.py`` checks), the ones passed to the
 engine as they are (``GENERATE_FIELDS``: what value each takes, and the values
 that ask for nothing), and the few refused, each with why (``REFUSED_FIELDS``:
 SGLang's own plumbing, which SGLang fills in itself).
@@ -26,8 +26,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from ._engine import EngineFeatures
-from ._errors import InvalidRequest
+from .._engine import EngineFeatures
+from .._errors import InvalidRequest
 from ._sampling import SAMPLING_PARAMS, check_watermark, native_name
 from ._values import is_int, is_one_of, is_token_list, shown
 

@@ -7,9 +7,9 @@ from typing import Any, TextIO
 
 import trio
 
-from ._core._context import RequestContext
-from ._core._worker import Worker, open_worker
-from .sim import SimEngine, TraceKind
+from .._core._context import RequestContext
+from .._core._worker import Worker, open_worker
+from ..sim import SimEngine, TraceKind
 
 __all__ = ["run_demo"]
 

@@ -5,7 +5,7 @@ SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports eight names from
 of it. On a CPU without AMX every layer takes its plain-torch path and none of
 the eight is called, so this package defines them for the import alone. It is
 put on the path only for ``device="cpu"`` and only when no real ``sgl_kernel``
-can be imported (``trio_sglang._sglang_cpu``); each name fails loudly if a
+can be imported (``trio_sglang._sglang._cpu``); each name fails loudly if a
 code path ever does call it, instead of computing anything wrong.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NoReturn
 
-#: Marks this module as the stand-in (what ``trio_sglang._sglang_cpu`` checks for).
+#: Marks this module as the stand-in (what ``trio_sglang._sglang._cpu`` checks for).
 TRIO_SGLANG_STANDIN = True
 
 

@@ -1,6 +1,6 @@
 """``Handoff``: one item at a time between a trio task and asyncio code in the same thread.
 
-On either asyncio side (``_asyncio_side.py``) every asyncio callback runs in
+On either asyncio side (``_asyncio_bridge/_asyncio_side.py``) every asyncio callback runs in
 trio's thread, so asyncio code may call trio's synchronous operations; what
 it cannot do cheaply is *await* trio. Each such call (``TrioCalls``) is a
 trio task of its own and a future, and on trio-asyncio's loop turns of that

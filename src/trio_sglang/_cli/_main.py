@@ -19,25 +19,25 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ._asyncio_side import LOOP_KINDS
-from ._cli_fields import FieldOptions, positive_int, seconds
-from ._core._disagg import PrefillFailed
-from ._core._policy import AbortPolicy
+from .._asyncio_bridge._asyncio_side import LOOP_KINDS
+from .._asyncio_bridge._guest import run_beside_asyncio
+from .._core._disagg import PrefillFailed
+from .._core._policy import AbortPolicy
+from .._limits import API_KEY_ENV, ServerLimits
+from .._sglang._semantics import UnsupportedSGLang
+from .._sglang._server_args import add_sglang_options, refused_flag, sglang_installed, wants_sglang
+from .._version import __version__
+from ..bench_endpoint._options import add_options as add_bench_endpoint_options
+from ..sim import SimDisaggTiming
 from ._demo import run_demo
 from ._engines import EngineOptions, open_engine
-from ._guest import run_beside_asyncio
-from ._limits import API_KEY_ENV, ServerLimits
-from ._sglang_args import add_sglang_options, refused_flag, sglang_installed, wants_sglang
-from ._sglang_semantics import UnsupportedSGLang
-from ._version import __version__
-from .bench_endpoint._options import add_options as add_bench_endpoint_options
-from .sim import SimDisaggTiming
+from ._field_options import FieldOptions, positive_int, seconds
 
 #: What ``serve`` takes as "shut down" (and, a second time, "now").
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 if TYPE_CHECKING:
-    from .server import HTTPPrefill
+    from ..server import HTTPPrefill
 
 __all__ = ["main"]
 
@@ -61,7 +61,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """trio-sglang's parser; for ``argv`` (the command line it will parse), with SGLang's
     server arguments on ``serve`` and ``dynamo-worker`` when it asks for ``--engine sglang``,
-    or for help where SGLang is installed (``_sglang_args.py``)."""
+    or for help where SGLang is installed (``_sglang/_server_args.py``)."""
     parser = argparse.ArgumentParser(
         prog="trio-sglang",
         description="Cancel SGLang generation requests correctly and fast.",
@@ -399,7 +399,7 @@ def _refuse(message: str) -> int:
 
 def _bench_endpoint(args: argparse.Namespace) -> int:
     try:
-        from .bench_endpoint._command import Refused, printable, run_command
+        from ..bench_endpoint._command import Refused, printable, run_command
     except ImportError as exc:
         return _refuse(
             "trio-sglang bench-endpoint needs the bench extra: "
@@ -416,14 +416,14 @@ def _bench_endpoint(args: argparse.Namespace) -> int:
 def _dynamo_worker(args: argparse.Namespace) -> int:
     logging.getLogger("trio_sglang").setLevel(logging.INFO)
     try:
-        from .dynamo._command import Refused, run_command
-        from .dynamo._serve import RuntimeStopped
+        from ..dynamo._serve import RuntimeStopped
+        from ..dynamo._worker_command import Refused, run_command
     except ImportError as exc:
         return _refuse(
             "trio-sglang dynamo-worker needs the dynamo extra: "
             f"pip install 'trio-sglang[dynamo]' ({exc})"
         )
-    from .server import ForcedShutdown
+    from ..server import ForcedShutdown
 
     refusal: str | None = None
     lost: str | None = None
@@ -449,7 +449,7 @@ def _dynamo_worker(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("trio_sglang").setLevel(logging.INFO)
     try:
-        from .server import ForcedShutdown, HTTPPrefill, ListenError
+        from ..server import ForcedShutdown, HTTPPrefill, ListenError
     except ImportError as exc:
         return _refuse(
             f"trio-sglang serve needs the serve extra: pip install 'trio-sglang[serve]' ({exc})"
@@ -537,7 +537,7 @@ def _fit_to_descriptors(limits: ServerLimits) -> ServerLimits:
 
 def _forced_status(stopped: BaseExceptionGroup[BaseException]) -> int:
     """The exit status after a second signal: 128 + its number, as a shell reports it."""
-    from .server import ForcedShutdown
+    from ..server import ForcedShutdown
 
     found = _first(stopped)
     assert isinstance(found, ForcedShutdown)
@@ -582,7 +582,7 @@ async def _run_server(
     limits: ServerLimits,
     prefill: HTTPPrefill | None,
 ) -> None:
-    from .server import serve
+    from ..server import serve
 
     async with contextlib.AsyncExitStack() as stack:
         options = _engine_options(args, peer_api_key=limits.api_key)

@@ -73,7 +73,7 @@ async def serve(
     peer (``open_worker(prefill=...)``, e.g. ``HTTPPrefill``);
     ``kv_rooms``, the rooms of a prefill ``SimEngine`` (its ``SimKVRooms``),
     is served to decode servers under ``/bootstrap/rooms/`` (SGLang's
-    bootstrap server, on this server's HTTP port; see ``_kv_rooms.py``).
+    bootstrap server, on this server's HTTP port; see ``_kv_rooms_http.py``).
     ``enable_cache_report`` (SGLang's ``--enable-cache-report``): OpenAI usage
     carries ``prompt_tokens_details.cached_tokens``, the engine's count of
     prompt tokens its prefix cache held. ``host_app``: an engine with an HTTP

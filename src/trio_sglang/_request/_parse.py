@@ -5,7 +5,7 @@ registering the rid) is rejected here with ``InvalidRequest``, so a bad request
 never leaves state at the engine. The request's shape is checked here (the
 prompt, a batch, ``n``, ``rid``, ``stream``); its other fields are SGLang's
 ``GenerateReqInput`` fields (``_fields.py``), its sampling parameters SGLang's
-``SamplingParams`` (``_sampling.py``). A field SGLang does not know is refused,
+``SamplingParams`` (``_request/_sampling.py``). A field SGLang does not know is refused,
 as SGLang's ``Engine.generate`` refuses an unknown keyword (the HTTP server's
 ``/generate`` ignores one instead, as SGLang's HTTP server does).
 """
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
-from ._errors import InvalidRequest
+from .._errors import InvalidRequest
 from ._fields import GENERATE_FIELDS, OWN_FIELDS, REFUSED_FIELDS, check_field
 from ._sampling import check_sampling_params
 from ._values import is_token_list, is_unicode, shown

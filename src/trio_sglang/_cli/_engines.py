@@ -16,10 +16,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._engine import Engine
-from ._kv_rooms import HostedKVRooms, KVRooms
-from ._sglang_engine import SGLangEngine
-from .sim import DisaggregationMode, SimEngine, SimKVRooms
+from .._engine import Engine
+from .._kv_rooms import HostedKVRooms, KVRooms
+from .._sglang._sglang_engine import SGLangEngine
+from ..sim import DisaggregationMode, SimEngine, SimKVRooms
 
 __all__ = ["EngineKind", "EngineOptions", "open_engine"]
 
@@ -67,7 +67,7 @@ async def open_engine(
         if mode == "prefill":
             rooms = hosted = SimKVRooms()
         elif mode == "decode":
-            from .server import open_http_kv_rooms  # the serve extra
+            from ..server import open_http_kv_rooms  # the serve extra
 
             rooms = await stack.enter_async_context(
                 open_http_kv_rooms(api_key=options.peer_api_key)

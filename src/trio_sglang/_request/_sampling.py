@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._errors import InvalidRequest
+from .._errors import InvalidRequest
 from ._values import MAX_INT, is_int, is_number, is_token_list, is_unicode, shown
 
 __all__ = [

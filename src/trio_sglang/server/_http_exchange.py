@@ -24,15 +24,15 @@ from typing import Any
 
 import trio
 
+from .._asyncio_bridge._handoff import Handoff
 from .._core._context import RequestContext
 from .._core._outputs import PublicIds
 from .._core._worker import PreparedRequest, Worker
 from .._errors import EngineError, EngineShutdown
-from .._handoff import Handoff
 from .._hosted_app import FeedEnd, HTTPRefusal
 from ._admission import Admission
 from ._asgi import Scope
-from ._errors import HTTPError
+from ._http_errors import HTTPError
 from ._inflight import InFlight
 
 __all__ = ["HTTPExchange"]

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from ._echoes import Echoes
+from .._echoes import Echoes
 
 __all__ = ["hearing_scheduler", "send_abort"]
 

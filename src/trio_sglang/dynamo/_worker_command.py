@@ -10,12 +10,12 @@ from pathlib import Path
 
 import trio
 
+from .._cli._engines import EngineOptions, open_engine
 from .._core._policy import AbortPolicy
-from .._engines import EngineOptions, open_engine
-from ..server._run import ForcedShutdown, ShutdownSignals
+from ..server._serving import ForcedShutdown, ShutdownSignals
 from ._config import SIM_MODEL_PATH, DynamoEndpoint, RuntimePlanes
 from ._hosts import AsyncioHost, HostKind, run_hosted
-from ._metrics import DynamoMetrics, serve_metrics
+from ._metrics_port import DynamoMetrics, serve_metrics
 from ._serve import serve_dynamo_worker
 
 __all__ = ["Refused", "run_command"]

@@ -12,9 +12,9 @@ from typing import Any
 
 import trio
 
-from ._core._context import RequestContext
-from ._core._disagg import PrefillFailed
-from ._core._worker import Worker
+from ._context import RequestContext
+from ._disagg import PrefillFailed
+from ._worker import Worker
 
 __all__ = ["InProcessPrefill"]
 

@@ -9,7 +9,7 @@ module reads the installed ``TokenizerManager`` instead: the fields of its
 ``ReqState`` and, with ``ast``, the few methods whose shape decides the
 lifecycle. ``SGLangEngine`` detects once, at start, refuses a
 release it cannot stop requests on, and covers what the release's own close
-leaves undone (``_sglang_release.py``).
+leaves undone (``_sglang/_release.py``).
 """
 
 from __future__ import annotations

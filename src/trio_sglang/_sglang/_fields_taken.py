@@ -1,6 +1,6 @@
 """The request fields the installed SGLang release takes, where it lacks some trio-sglang knows.
 
-trio-sglang's field tables are SGLang 0.5.23's (``_fields.py``, ``_sampling.py``).
+trio-sglang's field tables are SGLang 0.5.23's (``_request/_fields.py``, ``_request/_sampling.py``).
 An older release's ``GenerateReqInput`` or ``SamplingParams`` lacks some of
 them, and a request that sets one would fail inside SGLang at the first
 pull, after its rid was registered. Listing what the release does take as the
@@ -14,8 +14,8 @@ import dataclasses
 import inspect
 from typing import Any
 
-from ._fields import GENERATE_FIELDS
-from ._sampling import SAMPLING_PARAMS, native_name
+from .._request._fields import GENERATE_FIELDS
+from .._request._sampling import SAMPLING_PARAMS, native_name
 
 __all__ = ["fields_taken"]
 

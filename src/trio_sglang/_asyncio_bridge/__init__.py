@@ -1,0 +1,1 @@
+"""trio beside asyncio: where SGLang's asyncio code runs, and how each side awaits the other."""

@@ -1,0 +1,1 @@
+"""SGLang's ``/generate`` body, checked and parsed once, before anything reaches the engine."""
