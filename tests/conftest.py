@@ -10,6 +10,7 @@ import ``_fuzz`` and ``_strategies``), so a test module imports them by name:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 import trio_sglang as ts
+from trio_sglang.testing import Faults, FaultyEngine
 
 #: The lifecycle tests' timeline: registered at 0, tokenizing until 1,
 #: dispatched at 1.5, the first token at 2.5, then one every second.
@@ -27,6 +29,11 @@ SLOW_KNOBS: Mapping[str, float] = {
     "first_token_delay": 1.0,
     "token_interval": 1.0,
 }
+
+
+#: A request of five tokens, and one still decoding when every bound of a cleanup has run out.
+HELLO: Mapping[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 5}}
+LONG: Mapping[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 50}}
 
 
 def slow_sim(**overrides: Any) -> ts.SimEngine:
@@ -101,3 +108,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status[-1])
+
+
+def fault_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The worker's engine-fault lines, in the order it logged them."""
+    return [r for r in caplog.records if r.getMessage().startswith("engine fault ")]
+
+
+class RecordingEngine(FaultyEngine):
+    """A ``FaultyEngine`` that keeps every ``/generate`` body the worker sends."""
+
+    def __init__(self, inner: ts.Engine, faults: Faults | None = None) -> None:
+        super().__init__(inner, faults or Faults())
+        self.bodies: list[Mapping[str, Any]] = []
+
+    def generate(self, request: Mapping[str, Any]) -> Any:
+        self.bodies.append(request)
+        return super().generate(request)

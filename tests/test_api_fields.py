@@ -28,7 +28,7 @@ import trio
 
 import trio_sglang as ts
 from test_server import sse_payloads
-from trio_sglang._cli._main import build_parser
+from trio_sglang._cli._parser import build_parser
 from trio_sglang._protocol import _openai_fields
 from trio_sglang._protocol._openai_fields import Route
 from trio_sglang.server import serve

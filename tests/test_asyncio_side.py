@@ -1,4 +1,6 @@
-"""trio as the guest of an asyncio loop, and each side awaiting the other (``_asyncio_bridge/_asyncio_side.py``).
+"""trio as the guest of an asyncio loop, and each side awaiting the other.
+
+The code under test is ``_asyncio_bridge/_asyncio_side.py``.
 
 Every test runs a real guest run (``run_as_guest``) on asyncio's own loop or
 uvloop, whichever is installed. A call across is owned by its caller: a

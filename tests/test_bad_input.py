@@ -22,7 +22,7 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
-from conftest import finish_reason
+from conftest import finish_reason, read, slow_sim
 from trio_sglang._core._ids import RID_LENGTH
 from trio_sglang._request._fields import GENERATE_FIELDS
 from trio_sglang._request._sampling import SAMPLING_PARAMS
@@ -506,3 +506,61 @@ async def test_generate_after_shutdown_raises_engine_shutdown(
     assert not ctx.cancelled
     assert worker.open_streams == 0
     assert_engine_untouched(engine)
+
+
+# -- what a refused request says -----------------------------------------------------------------
+
+#: A bad request, the field its error names (what the server answers as OpenAI's ``param``),
+#: and the words that say what was wrong with the value the caller sent.
+REFUSALS = [
+    pytest.param(
+        {**HELLO, "nonsense": 1}, "nonsense", "unknown request field 'nonsense'", id="unknown"
+    ),
+    pytest.param({**HELLO, "stream": "yes"}, None, "stream must be a bool, got str", id="stream"),
+    pytest.param(
+        {**HELLO, "return_logprob": [True]},
+        "return_logprob",
+        "a list 'return_logprob' needs a batch",
+        id="per-prompt-no-batch",
+    ),
+    pytest.param(
+        {"text": ["a", "b"], "return_logprob": [True]},
+        "return_logprob",
+        "'return_logprob' has 1 entries but the batch has 2 prompts",
+        id="per-prompt-short",
+    ),
+    pytest.param(
+        {"text": "a", "watermark": {"key": "0xbeef"}, "sampling_params": {"watermark": {}}},
+        "watermark",
+        "watermark must be provided either at the request top level or inside",
+        id="two-watermarks",
+    ),
+    pytest.param(
+        {**HELLO, "rid": 7}, None, "'rid' must be a string (or a list for a batch), got 7", id="rid"
+    ),
+    pytest.param({"text": "a\ud800b"}, None, "without a lone surrogate", id="surrogate"),
+]
+
+
+@pytest.mark.mutant_pin
+@pytest.mark.parametrize(("request_", "param", "words"), REFUSALS)
+async def test_a_refused_request_names_its_field_and_the_value_it_got(
+    request_: dict[str, Any], param: str | None, words: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with ts.open_worker(slow_sim()) as worker:
+        with pytest.raises(ts.InvalidRequest) as refused:
+            await read(worker, request_, ts.RequestContext("pub"))
+    assert words in str(refused.value)
+    assert refused.value.param == param
+
+
+@pytest.mark.mutant_pin
+async def test_wrong_types_for_the_worker_itself_say_what_they_got(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with pytest.raises(TypeError, match="policy must be an AbortPolicy, got dict"):
+        async with ts.open_worker(slow_sim(), policy={}):  # type: ignore[arg-type]
+            pass
+    async with ts.open_worker(slow_sim()) as worker:
+        with pytest.raises(ts.InvalidRequest, match="ctx must be a RequestContext, got str"):
+            await read(worker, HELLO, "pub")  # type: ignore[arg-type]

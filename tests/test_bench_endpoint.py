@@ -38,7 +38,7 @@ import trio
 from prometheus_client import parser
 
 from _processes import Process, start_router, start_workers
-from trio_sglang._cli._main import build_parser
+from trio_sglang._cli._parser import build_parser
 from trio_sglang.bench_endpoint._command import plan_from_options, printable
 from trio_sglang.bench_endpoint._deconvolve import attribute_releases
 from trio_sglang.bench_endpoint._departures import ALL_PHASES, parse_phases

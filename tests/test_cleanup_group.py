@@ -103,3 +103,18 @@ async def test_a_worker_waits_until_its_engine_side_work_is_done(
         assert worker.pending_cleanups == 0
         assert engine.live_rids() == set()
         assert trio.current_time() == 1.5  # dispatched, and aborted, at 1.5
+
+
+# -- waiting for the group -----------------------------------------------------------------------
+
+
+@pytest.mark.mutant_pin
+async def test_wait_idle_waits_again_after_the_group_was_idle_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_cleanup_group() as group:
+        for _ in range(2):
+            group.start_soon(trio.sleep, 1.0)
+            started = trio.current_time()
+            await group.wait_idle()
+            assert trio.current_time() == started + 1.0

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from trio_sglang._cli import _main as _cli
+from trio_sglang._cli import _parser as _cli
 from trio_sglang._cli._field_options import FieldOptions, field_docs
 from trio_sglang._core._policy import AbortPolicy
 from trio_sglang._limits import API_KEY_ENV, ServerLimits
@@ -73,9 +73,9 @@ def test_a_bare_command_line_builds_each_record_as_its_defaults(
 ) -> None:
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     args = _cli.build_parser().parse_args(["serve"])
-    assert _cli._server_limits(args) == ServerLimits()
+    assert _cli.server_limits(args) == ServerLimits()
     assert _cli._POLICY.build(args) == AbortPolicy()
-    assert _cli._engine_options(args).sim_args["disagg_timing"] == SimDisaggTiming()
+    assert _cli.engine_options(args).sim_args["disagg_timing"] == SimDisaggTiming()
 
 
 def test_every_option_reaches_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,9 +90,9 @@ def test_every_option_reaches_its_field(monkeypatch: pytest.MonkeyPatch) -> None
         expected[name] = wanted
     args = _cli.build_parser().parse_args(argv)
     built = {
-        "limits": _cli._server_limits(args),
+        "limits": _cli.server_limits(args),
         "policy": _cli._POLICY.build(args),
-        "sim-disagg": _cli._engine_options(args).sim_args["disagg_timing"],
+        "sim-disagg": _cli.engine_options(args).sim_args["disagg_timing"],
     }
     for name, record in built.items():
         assert {key: getattr(record, key) for key in expected[name]} == expected[name], name

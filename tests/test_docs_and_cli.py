@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from _readme import ROOT, readme_block
-from trio_sglang._cli._main import build_parser
+from trio_sglang._cli._parser import build_parser
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess[str]:

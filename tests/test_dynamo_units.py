@@ -28,7 +28,7 @@ import pytest
 import trio
 
 from trio_sglang import SimEngine, open_worker
-from trio_sglang._cli._main import build_parser
+from trio_sglang._cli._parser import build_parser
 from trio_sglang._errors import InvalidRequest
 from trio_sglang._protocol._transcript import plain_transcript
 from trio_sglang.dynamo import MODEL_INPUTS, SIM_MODEL_PATH, DynamoEndpoint, RuntimePlanes

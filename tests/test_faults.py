@@ -22,7 +22,7 @@ import trio.testing
 
 import trio_sglang as ts
 from _readme import readme_block
-from conftest import Recorder, read, slow_sim
+from conftest import Recorder, RecordingEngine, fault_records, read, slow_sim
 from trio_sglang.server import ServerMetrics, serve
 from trio_sglang.testing import Faults, FaultyEngine
 
@@ -249,3 +249,30 @@ async def test_the_embedding_page_fault_example_injects_what_it_says(
         await trio.sleep(60)
     (record,) = caplog.records
     assert "engine fault abort_timeout: request pub-poison" in record.getMessage()
+
+
+# -- which ids a fault names ---------------------------------------------------------------------
+
+
+@pytest.mark.mutant_pin
+async def test_a_fault_names_the_children_still_running_not_the_finished_nor_the_parent_rid(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two prompts, two samples each; the first prompt's two finish, then the engine goes silent.
+
+    SGLang gives each sample a fresh id, so the rid the worker minted names nothing it runs.
+    """
+    request = {
+        "text": ["p0", "p1"],
+        "sampling_params": [{"n": 2, "max_new_tokens": 2}, {"n": 2, "max_new_tokens": 3}],
+    }
+    engine = RecordingEngine(slow_sim(), Faults(stream_silent_after=6))
+    policy = ts.AbortPolicy(stall_timeout=10.0)
+    async with ts.open_worker(engine, policy=policy) as worker:
+        with pytest.raises(ts.EngineError):
+            await read(worker, request, ts.RequestContext("pub"))
+    (record,) = fault_records(caplog)
+    named = record.getMessage().split("(rids ")[1].split(")")[0].split(", ")
+    minted = engine.bodies[0]["rid"]
+    assert len(named) == 2
+    assert set(named) <= engine.faulty_rids - {minted}

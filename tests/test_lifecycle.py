@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 import trio_sglang as ts
-from conftest import slow_sim
+from conftest import HELLO, LONG, Recorder, read, slow_sim
 from trio_sglang.testing import AbortFault, Faults, FaultyEngine
 
 #: On ``slow_sim()``: registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ..., 6.5.
@@ -369,3 +369,131 @@ async def test_aclose_from_another_task_ends_a_pull_at_once(
             "abort_requested",
             "abort_applied",
         ]
+
+
+# -- the caller's block and stream ---------------------------------------------------------------
+
+
+@pytest.mark.mutant_pin
+async def test_aclose_outside_a_pull_ends_the_stream_and_not_the_block(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only a pull in progress is cut by cancelling the block: before the first, or between
+    two, ``aclose`` leaves the stream and the block's body runs on."""
+    async with ts.open_worker(slow_sim()) as worker:
+        for pulls in (0, 1):
+            ran_on = False
+            async with worker.generate(HELLO, ts.RequestContext("pub")) as chunks:
+                for _ in range(pulls):
+                    await chunks.__anext__()
+                await chunks.aclose()
+                assert chunks.closed
+                ran_on = True
+            assert ran_on, f"aclose after {pulls} pull(s) cancelled the block"
+
+
+@pytest.mark.mutant_pin
+async def test_a_stream_read_outside_its_block_says_where_to_read_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with ts.open_worker(slow_sim()) as worker:
+        stream = worker.generate(HELLO, ts.RequestContext("pub"))
+        with pytest.raises(RuntimeError, match="inside its block"):
+            await stream.__anext__()
+        with pytest.raises(RuntimeError, match="inside its block"):
+            await stream.aclose()
+        assert worker.open_streams == 0  # nothing was opened, nothing reached the engine
+
+
+@pytest.mark.mutant_pin
+async def test_a_generate_block_is_entered_once(autojump_clock: trio.testing.MockClock) -> None:
+    async with ts.open_worker(slow_sim()) as worker:
+        block = worker.generate(HELLO, ts.RequestContext("pub"))
+        async with block:
+            with pytest.raises(RuntimeError, match=r"^a generate\(\) block is entered once$"):
+                await block.__aenter__()
+
+
+@pytest.mark.mutant_pin
+async def test_a_stream_is_not_closed_before_its_first_pull_nor_between_pulls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with (
+        ts.open_worker(slow_sim()) as worker,
+        worker.generate(HELLO, ts.RequestContext("pub")) as chunks,
+    ):
+        assert not chunks.closed
+        await chunks.__anext__()
+        assert not chunks.closed
+        async for _ in chunks:
+            pass
+        assert chunks.closed
+
+
+@pytest.mark.mutant_pin
+async def test_a_context_keeps_no_hold_on_the_requests_it_outlives(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One context per client connection, many requests: a finished one is let go."""
+    ctx = ts.RequestContext("connection")
+    async with ts.open_worker(slow_sim()) as worker:
+        for _ in range(3):
+            assert await read(worker, HELLO, ctx) == 5
+    assert ctx._scopes == set()
+
+
+# -- the worker's reader -------------------------------------------------------------------------
+
+
+@pytest.mark.mutant_pin
+async def test_a_reader_that_stopped_a_failed_stream_counts_its_cleanup_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The engine fails under the reader, which begins stopping the request before its caller
+    takes the error; the caller's leaving then adds nothing, and the cleanup ends once."""
+    observer = Recorder()
+    engine = FaultyEngine(slow_sim(release_on_close=False), Faults(stream_error_after=1))
+    async with ts.open_worker(engine, observer=observer) as worker:
+        with pytest.raises(ts.EngineError):
+            await read(worker, LONG, ts.RequestContext("pub"))
+        await worker.wait_idle()
+        assert worker.pending_cleanups == 0
+    assert len(observer.cleanups) == 1
+
+
+@pytest.mark.mutant_pin
+async def test_a_reader_whose_caller_left_reads_to_the_end_and_stops_cleanly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No release on close: after the caller leaves, the reader reads on until the engine ends
+    the stream (its abort took); that end is not the caller's, and the cleanup ends."""
+    observer = Recorder()
+    engine = slow_sim(release_on_close=False)
+    async with ts.open_worker(engine, observer=observer) as worker:
+        assert await read(worker, LONG, ts.RequestContext("pub"), leave_after=1) == 1
+        await worker.wait_idle()
+        assert worker.pending_cleanups == 0
+    assert [released for _, released in observer.cleanups] == [True]
+
+
+@pytest.mark.mutant_pin
+async def test_the_worker_read_stream_reads_nothing_ahead_of_a_paused_caller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Back-pressure as if the caller read the engine itself: it pauses from 3.5 to 6.7, and gets
+    the one output in the reader's hand, then each sample's backlog as one chunk."""
+    n2 = {"text": "hello", "sampling_params": {"n": 2, "max_new_tokens": 6}}
+    got: list[tuple[float, int, int]] = []
+    async with (
+        ts.open_worker(slow_sim()) as worker,
+        worker.generate(n2, ts.RequestContext("pub"), output="tokens") as chunks,
+    ):
+        async for chunk in chunks:
+            got.append((trio.current_time(), chunk["index"], len(chunk["token_ids"])))
+            if len(got) == 1:
+                await trio.sleep(3.2)
+    assert [(index, tokens) for time, index, tokens in got if time == 6.7] == [
+        (1, 1),
+        (0, 3),
+        (1, 2),
+    ]

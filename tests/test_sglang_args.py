@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
-from trio_sglang._cli._main import _engine_options, _server_limits, build_parser
+from trio_sglang._cli._parser import build_parser, engine_options, server_limits
 
 pytestmark = pytest.mark.real_engine
 
@@ -50,7 +50,7 @@ def test_a_flag_both_have_does_both_jobs_and_the_rest_go_to_sglang() -> None:
         "--host",
         "127.0.0.2",
     )
-    assert _engine_options(args).sglang_args == {
+    assert engine_options(args).sglang_args == {
         "model_path": "some/model",
         "max_running_requests": 16,
         "context_length": 256,
@@ -59,14 +59,14 @@ def test_a_flag_both_have_does_both_jobs_and_the_rest_go_to_sglang() -> None:
         "tp_size": 2,
         "mem_fraction_static": 0.3,
     }  # not --host and --port: those place trio-sglang's own server
-    limits = _server_limits(args)
+    limits = server_limits(args)
     assert (limits.max_running_requests, limits.context_length, limits.api_key) == (16, 256, "sk-1")
 
 
 def test_flags_left_at_their_defaults_are_not_passed() -> None:
     args = parsed("serve", "--engine", "sglang", "--model-path", "m")
-    assert _engine_options(args).sglang_args == {"model_path": "m"}
-    assert _server_limits(args).max_running_requests == 2048  # the edge's own default
+    assert engine_options(args).sglang_args == {"model_path": "m"}
+    assert server_limits(args).max_running_requests == 2048  # the edge's own default
 
 
 def test_dynamo_worker_takes_sglangs_flags_too() -> None:
@@ -85,7 +85,7 @@ def test_dynamo_worker_takes_sglangs_flags_too() -> None:
         "--tp-size",
         "2",
     )
-    options = _engine_options(args)
+    options = engine_options(args)
     assert options.sglang_args == {"model_path": "m", "chat_template": "chatml", "tp_size": 2}
     assert options.disaggregation_mode is None  # SGLang's "null": an aggregated worker
 

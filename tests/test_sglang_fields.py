@@ -1,7 +1,8 @@
 """Field parity with SGLang 0.5.23, read from SGLang itself: its fields, defaults and ranges.
 
 The fields the lifecycle and the server accept are typed out in the modules
-that check them (``_request/_fields.py``, ``_request/_sampling.py``, ``_protocol/_openai_fields.py``);
+that check them (``_request/_fields.py``, ``_request/_sampling.py``,
+``_protocol/_openai_fields.py``);
 these tests read SGLang's own definitions and fail when the two differ
 without a reason written down here:
 

@@ -546,3 +546,32 @@ async def _hurry_at(drain: Drain[int], at: float) -> None:
 def test_sglang_engine_needs_exactly_one_source(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"exactly one|poll_interval"):
         ts.SGLangEngine(**kwargs)
+
+
+# -- outputs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.mutant_pin
+def test_a_child_index_past_the_known_children_gets_a_public_id_of_its_own() -> None:
+    from trio_sglang._core._outputs import PublicIds
+
+    ids = PublicIds("pub", ("a", "b"))
+    assert [ids.child(i) for i in (0, 1, 2)] == ["a", "b", "pub_2"]
+
+
+@pytest.mark.mutant_pin
+@pytest.mark.parametrize("engine_id", ["", 7, None], ids=["empty", "int", "none"])
+def test_a_native_output_without_a_usable_engine_id_is_only_renamed(engine_id: object) -> None:
+    from trio_sglang._core._outputs import PublicIds, format_chunk
+
+    out = {"meta_info": {"id": engine_id, "finish_reason": {"message": "abort req.rid=x"}}}
+    chunk = format_chunk("native", out, PublicIds("pub"))
+    assert chunk["meta_info"] == {"id": "pub", "finish_reason": {"message": "abort req.rid=x"}}
+
+
+@pytest.mark.mutant_pin
+def test_a_text_chunk_of_an_output_without_text_has_empty_text() -> None:
+    from trio_sglang._core._outputs import PublicIds, format_chunk
+
+    chunk = format_chunk("text", {"meta_info": {}}, PublicIds("pub"))
+    assert chunk["choices"] == [{"index": 0, "text": "", "finish_reason": None}]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["FieldOptions", "positive_int", "seconds"]
+__all__ = ["FieldOptions", "port_number", "positive_int", "seconds"]
 
 Record = TypeVar("Record", bound="DataclassInstance")
 
@@ -38,6 +38,13 @@ def seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
     return value
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._request._parse import OutputMode, ParsedRequest
 
-__all__ = ["PublicIds", "format_chunk"]
+__all__ = ["PublicIds", "finish_reason_type", "format_chunk"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ def format_chunk(output: OutputMode, out: dict[str, Any], ids: PublicIds) -> dic
         }
         scrubbed["id"] = public
         return {**out, "meta_info": scrubbed}
-    finish_reason = _finish_reason(meta.get("finish_reason"))
+    finish_reason = finish_reason_type(meta.get("finish_reason"))
     if output == "tokens":
         return {
             "index": index,
@@ -98,8 +98,8 @@ def _replace_id(value: object, engine_id: str, public: str) -> Any:
     return value
 
 
-def _finish_reason(reason: object) -> str | None:
-    """SGLang's ``{"type": "length", ...}`` as OpenAI's ``"length"``."""
+def finish_reason_type(reason: object) -> str | None:
+    """SGLang's ``{"type": "length", ...}`` as OpenAI's ``"length"``: the one reading of it."""
     if reason is None:
         return None
     if isinstance(reason, dict):

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core._outputs import PublicIds
+from .._core._outputs import PublicIds, finish_reason_type
 from .._core._worker import PreparedRequest, Worker
 from .._request._parse import ParsedRequest
 
@@ -81,11 +81,9 @@ class Plan(ABC):
             child.output_ids.extend(out.get("output_ids", ()))
         meta = out.get("meta_info", {})
         child.meta = meta
-        reason = meta.get("finish_reason")
+        reason = finish_reason_type(meta.get("finish_reason"))
         if reason is not None:
-            child.finish_reason = (
-                str(reason.get("type")) if isinstance(reason, dict) else str(reason)
-            )
+            child.finish_reason = reason
         return index, child
 
     def aborted_outputs(self, request_id: str) -> list[dict[str, Any]]:

@@ -319,7 +319,7 @@ class SGLangEngine:
     def hosted_app(
         self, served_at: Callable[[], str | None]
     ) -> AbstractAsyncContextManager[HostedApp]:
-        """SGLang's own HTTP server application over this running engine (``_sglang/_server_app.py``)."""
+        """SGLang's own HTTP server application over this running engine (``_server_app.py``)."""
         from ._server_app import hosted_sglang_app
 
         return hosted_sglang_app(self, served_at)
