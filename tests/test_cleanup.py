@@ -15,7 +15,7 @@ import trio.testing
 import trio_sglang as ts
 from conftest import HELLO, LONG, Recorder, fault_records, read, slow_sim
 from trio_sglang._core._cleanup_group import CleanupGroup, open_cleanup_group
-from trio_sglang._core._lifecycle import Event, Lifecycle, State
+from trio_sglang._core._lifecycle import Event, Lifecycle, State, shared_by_worker
 from trio_sglang._core._outputs import PublicIds
 from trio_sglang._core._reports import Reports
 from trio_sglang._engine import RequestPhase
@@ -116,18 +116,9 @@ def lifecycle(
 ) -> Lifecycle:
     """One request of ``engine``, as a worker runs it."""
     features = engine.features()
+    shared = shared_by_worker(engine, features, ts.AbortPolicy(), group, Reports(observer))  # type: ignore[arg-type]
     return Lifecycle(
-        SlowAbortStream(engine),
-        PublicIds("pub"),
-        rids,
-        "tokens",
-        engine=engine,  # type: ignore[arg-type]
-        policy=ts.AbortPolicy(),
-        group=group,
-        reports=Reports(observer),
-        release_on_close=features.release_on_close,
-        abort_sent_flag=features.abort_sent_flag,
-        scope=trio.CancelScope(),
+        SlowAbortStream(engine), PublicIds("pub"), rids, "tokens", shared, trio.CancelScope()
     )
 
 

@@ -49,11 +49,19 @@ import enum
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVarTuple
 
 import trio
 
-from .._engine import Engine, EngineStream, HearsScheduler, RequestPhase, SchedulerEcho
+from .._engine import (
+    Engine,
+    EngineFeatures,
+    EngineStream,
+    HearsScheduler,
+    RequestPhase,
+    SchedulerEcho,
+)
 from .._errors import EngineError, EngineShutdown
 from .._request._parse import OutputMode
 from ._cleanup import ordered_abort, released
@@ -64,7 +72,7 @@ from ._outputs import PublicIds, format_chunk
 from ._policy import AbortPolicy
 from ._reports import Reports, describe
 
-__all__ = ["Lifecycle", "State"]
+__all__ = ["Lifecycle", "Shared", "State", "shared_by_worker"]
 
 logger = logging.getLogger("trio_sglang")
 
@@ -130,27 +138,60 @@ _NEXT: dict[tuple[State, Event], State] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What every request of one worker shares: made once, by the worker (``shared_by_worker``)."""
+
+    engine: Engine
+    policy: AbortPolicy
+    #: The worker's owner of every engine-side task.
+    group: CleanupGroup
+    reports: Reports
+    #: Whether closing the engine stream runs the engine's release path.
+    release_on_close: bool
+    #: The engine's release path aborts what was dispatched, and the engine
+    #: honours one abort per request: after it, another abort is dropped.
+    release_aborts_once: bool
+    #: ``policy.stall_timeout``, or ``None`` where it bounds nothing.
+    stall_timeout: float | None
+    #: The engine, if it hears its scheduler.
+    hears: HearsScheduler
+
+
+def shared_by_worker(
+    engine: Engine,
+    features: EngineFeatures,
+    policy: AbortPolicy,
+    group: CleanupGroup,
+    reports: Reports,
+) -> Shared:
+    """What a worker's requests share, from its engine, the engine's features and its policy."""
+    return Shared(
+        engine,
+        policy,
+        group,
+        reports,
+        features.release_on_close,
+        features.release_on_close and features.abort_sent_flag,
+        None if policy.stall_timeout == math.inf else policy.stall_timeout,
+        engine if isinstance(engine, HearsScheduler) else DEAF,
+    )
+
+
 class Lifecycle:
     """One request, as the worker runs it; see the module's docstring."""
 
     __slots__ = (
         "_children_unknown",
-        "_engine",
         "_error",
-        "_group",
         "_has_reader",
-        "_hears",
         "_leg",
         "_output",
-        "_policy",
         "_pull_scope",
         "_reading",
         "_receive",
-        "_release_aborts_once",
-        "_release_on_close",
-        "_reports",
         "_send",
-        "_stall_timeout",
+        "_shared",
         "abort_sent",
         "abort_started",
         "children",
@@ -172,29 +213,13 @@ class Lifecycle:
         ids: PublicIds,
         rids: tuple[str, ...],
         output: OutputMode,
-        *,
-        engine: Engine,
-        policy: AbortPolicy,
-        group: CleanupGroup,
-        reports: Reports,
-        release_on_close: bool,
-        abort_sent_flag: bool,
+        shared: Shared,
         scope: trio.CancelScope,
-        children_unknown: bool = False,
         leg: PrefillLeg | None = None,
-        hears: HearsScheduler = DEAF,
     ) -> None:
-        #: The worker's, shared by its requests (``hears``: the engine, if it hears its scheduler).
-        self._engine = engine
-        self._hears = hears
-        self._policy = policy
-        self._group = group
-        self._reports = reports
-        self._release_on_close = release_on_close
-        # The engine's release path aborts what was dispatched, and the engine
-        # honours one abort per request: after it, another abort is dropped.
-        self._release_aborts_once = release_on_close and abort_sent_flag
-        self._stall_timeout = None if policy.stall_timeout == math.inf else policy.stall_timeout
+        """``rids``: the engine ids known before the request starts, or none for parallel
+        sampling, whose children SGLang names only in their first outputs."""
+        self._shared = shared
 
         self.state = _NEW
         #: Whether the caller is inside a pull (another task's ``aclose`` must cancel it).
@@ -224,10 +249,10 @@ class Lifecycle:
         #: Engine ids whose abort the engine's release path has already sent.
         self.abort_sent = _NO_IDS
 
-        self._children_unknown = children_unknown
+        self._children_unknown = not rids
         self._reading = False
         self._error: Exception | None = None
-        self._has_reader = children_unknown or not release_on_close
+        self._has_reader = self._children_unknown or not shared.release_on_close
         if self._has_reader:
             self._send, self._receive = trio.open_memory_channel[dict[str, Any]](0)
             # Unbounded while the caller reads; from its leaving, bounded by
@@ -264,10 +289,10 @@ class Lifecycle:
             self._start_engine_side()
         self.pulling = True
         try:
-            if self._stall_timeout is None:
+            if self._shared.stall_timeout is None:
                 out = await self._next()
             else:
-                out = await self._pull_within_stall_timeout(self._stall_timeout)
+                out = await self._pull_within_stall_timeout(self._shared.stall_timeout)
         except StopAsyncIteration:
             self._fire(_END)
             raise
@@ -290,10 +315,10 @@ class Lifecycle:
         """The first pull: the prefill leg and the reader start beside the caller."""
         self._fire(_PULL)
         if self._leg is not None:
-            self._group.start_soon(self._leg.run)
+            self._shared.group.start_soon(self._leg.run)
         if self._has_reader:
             self._reading = True
-            self._group.start_soon(self._read_for_caller)
+            self._shared.group.start_soon(self._read_for_caller)
 
     async def _pull_within_stall_timeout(self, stall_timeout: float) -> dict[str, Any]:
         with trio.move_on_after(stall_timeout):
@@ -343,10 +368,10 @@ class Lifecycle:
         if pull_cancelled:
             held = self._held()
             if not held and self._scheduler_done():
-                self._reports.cleanup_finished(0.0, released=True)
+                self._shared.reports.cleanup_finished(0.0, released=True)
                 self._fire(_STOPPED)
                 return
-            if self._release_aborts_once:
+            if self._shared.release_aborts_once:
                 self.abort_sent |= frozenset(held)  # what it still holds was dispatched
         if not self._start(self.stop):
             logger.warning(
@@ -356,7 +381,7 @@ class Lifecycle:
 
     def _failed(self, error: BaseException) -> EngineError:
         """The engine's stream raised ``error``: logged whole, and the caller's error."""
-        self._reports.fault(
+        self._shared.reports.fault(
             "stream_error", self.ids.request, self.unfinished(), describe(error), error=error
         )
         # The engine's own error may name internal ids: the caller gets its
@@ -367,9 +392,9 @@ class Lifecycle:
 
     def _stalled(self) -> EngineError:
         """No output within ``stall_timeout``: logged with the engine's phases, and the error."""
-        timeout = self._policy.stall_timeout
-        phases = ", ".join(self._engine.phase(rid).value for rid in self.unfinished())
-        self._reports.fault(
+        timeout = self._shared.policy.stall_timeout
+        phases = ", ".join(self._shared.engine.phase(rid).value for rid in self.unfinished())
+        self._shared.reports.fault(
             "stream_stalled",
             self.ids.request,
             self.unfinished(),
@@ -446,14 +471,14 @@ class Lifecycle:
     def _reader_fails_closed(self) -> None:
         """The caller left a request the reader reads: it reads on only to stop what it finds."""
         self._fail_closed()
-        if self._release_on_close:
+        if self._shared.release_on_close:
             self._pull_scope.cancel()  # the engine's release path stops every child
             return
         for rid in self.unfinished():
             self._start(self.ordered_abort, rid)
-        watch = self._policy.dispatch_timeout + self._policy.release_timeout
+        watch = self._shared.policy.dispatch_timeout + self._shared.policy.release_timeout
         if self._children_unknown:
-            watch = self._policy.child_watch_timeout
+            watch = self._shared.policy.child_watch_timeout
         self._pull_scope.deadline = min(self._pull_scope.deadline, trio.current_time() + watch)
 
     def _fail_closed(self) -> None:
@@ -466,9 +491,9 @@ class Lifecycle:
         """One more task works on the cleanup (owed from the first one)."""
         if self.left_at is None:
             self.left_at = trio.current_time()
-            self.deadline = self.left_at + self._policy.cleanup_timeout
+            self.deadline = self.left_at + self._shared.policy.cleanup_timeout
         if not self.working:
-            self._reports.pending += 1
+            self._shared.reports.pending += 1
         self.working += 1
 
     def _end(self, *, timed_out: bool) -> None:
@@ -477,10 +502,10 @@ class Lifecycle:
         self.timed_out |= timed_out
         if self.working:
             return
-        reports = self._reports
+        reports = self._shared.reports
         reports.pending -= 1
         assert self.left_at is not None  # set by ``_begin``
-        cut = self._group.cutting
+        cut = self._shared.group.cutting
         if cut:
             # One summary at worker exit, not a line per request in a burst.
             reports.cut_at_close += 1
@@ -491,7 +516,7 @@ class Lifecycle:
                 "cleanup_timeout",
                 self.ids.request,
                 self.unfinished(),
-                f"the cleanup ran past {self._policy.cleanup_timeout}s; "
+                f"the cleanup ran past {self._shared.policy.cleanup_timeout}s; "
                 "the engine may still hold it",
                 level=logging.WARNING,
             )
@@ -505,7 +530,7 @@ class Lifecycle:
         """
         self._begin()
         try:
-            self._group.start_soon(self._bounded, work, *args)
+            self._shared.group.start_soon(self._bounded, work, *args)
         except EngineShutdown:
             self._end(timed_out=False)
             return False
@@ -531,16 +556,16 @@ class Lifecycle:
 
     async def _close(self) -> None:
         dispatched = []
-        if self._release_aborts_once:
-            phase = self._engine.phase
+        if self._shared.release_aborts_once:
+            phase = self._shared.engine.phase
             dispatched = [r for r in self.unfinished() if phase(r) is RequestPhase.DISPATCHED]
         # Shielded even from the worker's shutdown: a half-closed stream is
         # worse than a short, bounded wait.
-        with trio.move_on_after(self._policy.close_timeout, shield=True) as scope:
+        with trio.move_on_after(self._shared.policy.close_timeout, shield=True) as scope:
             try:
                 await self.stream.aclose()
             except Exception as exc:
-                self._reports.fault(
+                self._shared.reports.fault(
                     "close_error",
                     self.ids.request,
                     self.unfinished(),
@@ -550,25 +575,25 @@ class Lifecycle:
             else:
                 self.abort_sent |= frozenset(dispatched)
         if scope.cancelled_caught:
-            self._reports.fault(
+            self._shared.reports.fault(
                 "close_timeout",
                 self.ids.request,
                 self.unfinished(),
-                f"closing the engine stream took over {self._policy.close_timeout}s",
+                f"closing the engine stream took over {self._shared.policy.close_timeout}s",
                 level=logging.WARNING,
             )
 
     async def _settle(self, rid: str) -> None:
-        if (echo := self._hears.echo(rid)) is not None:
+        if (echo := self._shared.hears.echo(rid)) is not None:
             await self._confirm(rid, echo)  # the scheduler's own word
             return
-        with trio.move_on_after(self._policy.release_timeout):
-            await released(self._engine, rid)
+        with trio.move_on_after(self._shared.policy.release_timeout):
+            await released(self._shared.engine, rid)
             return
         if rid in self.abort_sent:
             # Its abort is on its way (behind a forward in progress, say): a
             # second one would be dropped. Wait on, within the cleanup's deadline.
-            await released(self._engine, rid)
+            await released(self._shared.engine, rid)
             return
         await self.ordered_abort(rid)
 
@@ -578,32 +603,43 @@ class Lifecycle:
             return
         self.abort_started |= {rid}
         await ordered_abort(
-            self._engine, self._policy, self._reports, self.ids.request, rid, self._hears
+            self._shared.engine,
+            self._shared.policy,
+            self._shared.reports,
+            self.ids.request,
+            rid,
+            self._shared.hears,
         )
-        if (echo := self._hears.echo(rid)) is not None:
+        if (echo := self._shared.hears.echo(rid)) is not None:
             await self._confirm(rid, echo)
 
     # -- what the scheduler said after an abort (``_confirm.py``) ---------------
 
     async def _confirm(self, rid: str, echo: SchedulerEcho) -> None:
-        phase = self._engine.phase
+        phase = self._shared.engine.phase
 
         def held() -> bool:
             return phase(rid) is not RequestPhase.ABSENT
 
         try:
             await confirm_abort(
-                self._hears, self._policy, self._reports, self.ids.request, rid, echo, held
+                self._shared.hears,
+                self._shared.policy,
+                self._shared.reports,
+                self.ids.request,
+                rid,
+                echo,
+                held,
             )
         finally:
-            self._hears.forget_echo(rid)
+            self._shared.hears.forget_echo(rid)
 
     def _scheduler_done(self) -> bool:
         """Whether the scheduler finished every id of the request it was sent an abort for.
 
         Their echoes are forgotten then; one still open needs a cleanup task to listen to it.
         """
-        hears = self._hears
+        hears = self._shared.hears
         echoes = [(rid, echo) for rid in self.unfinished() if (echo := hears.echo(rid)) is not None]
         if not all(echo.finished for _, echo in echoes):
             return False
@@ -625,7 +661,7 @@ class Lifecycle:
 
     def _held(self) -> list[str]:
         """The ids of this request that the engine still holds."""
-        phase = self._engine.phase
+        phase = self._shared.engine.phase
         return [rid for rid in self.unfinished() if phase(rid) is not RequestPhase.ABSENT]
 
     def unfinished(self) -> list[str]:

@@ -36,13 +36,12 @@ from typing import Any
 
 import trio
 
-from .._engine import Engine, EngineFeatures, HearsScheduler, Role
+from .._engine import Engine, EngineFeatures, Role
 from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._request._fields import check_honoured
 from .._request._parse import OutputMode, ParsedRequest, parse_request
 from ._capabilities import build_capabilities
 from ._cleanup_group import CleanupGroup, open_cleanup_group
-from ._confirm import DEAF
 from ._context import RequestContext, attach, detach
 from ._disagg import (
     PrefillLeg,
@@ -53,7 +52,7 @@ from ._disagg import (
 )
 from ._drain import Drain
 from ._ids import mint_rid
-from ._lifecycle import Lifecycle
+from ._lifecycle import Lifecycle, shared_by_worker
 from ._outputs import PublicIds
 from ._policy import AbortPolicy
 from ._reports import Reports, WorkerObserver
@@ -196,11 +195,11 @@ class Worker:
         self._policy = policy
         self._cleanups = cleanups
         self._features = engine.features()
-        #: The engine, if it hears its scheduler on aborted ids (``_confirm.py``).
-        self._hears = engine if isinstance(engine, HearsScheduler) else DEAF
         self._prefill = prefill
         self._prefill_cancel_anytime = prefill_cancel_anytime
         self._reports = Reports(observer)
+        #: What its requests share.
+        self._shared = shared_by_worker(engine, self._features, policy, cleanups, self._reports)
         #: The requests whose ``generate`` block is open; closed by the shutdown.
         self._open_blocks: Drain[Lifecycle] = Drain()
 
@@ -335,16 +334,9 @@ class Worker:
             ids,
             rids if parsed.stable_ids else (),
             parsed.output,
-            engine=self._engine,
-            policy=self._policy,
-            group=self._cleanups,
-            reports=self._reports,
-            release_on_close=self._features.release_on_close,
-            abort_sent_flag=self._features.abort_sent_flag,
-            scope=scope,
-            children_unknown=not parsed.stable_ids,
-            leg=leg,
-            hears=self._hears,
+            self._shared,
+            scope,
+            leg,
         )
         self._open_blocks.add(life)
         attach(ctx, scope)
