@@ -117,9 +117,7 @@ def lifecycle(
     """One request of ``engine``, as a worker runs it."""
     features = engine.features()
     shared = shared_by_worker(engine, features, ts.AbortPolicy(), group, Reports(observer))  # type: ignore[arg-type]
-    return Lifecycle(
-        SlowAbortStream(engine), PublicIds("pub"), rids, "tokens", shared, trio.CancelScope()
-    )
+    return Lifecycle(SlowAbortStream(engine), PublicIds("pub"), rids, "tokens", shared)
 
 
 @asynccontextmanager

@@ -185,7 +185,6 @@ class Lifecycle:
         "_children_unknown",
         "_error",
         "_has_reader",
-        "_leg",
         "_output",
         "_pull_scope",
         "_reading",
@@ -198,6 +197,7 @@ class Lifecycle:
         "deadline",
         "ids",
         "left_at",
+        "leg",
         "pulling",
         "rids",
         "scope",
@@ -214,8 +214,6 @@ class Lifecycle:
         rids: tuple[str, ...],
         output: OutputMode,
         shared: Shared,
-        scope: trio.CancelScope,
-        leg: PrefillLeg | None = None,
     ) -> None:
         """``rids``: the engine ids known before the request starts, or none for parallel
         sampling, whose children SGLang names only in their first outputs."""
@@ -225,7 +223,7 @@ class Lifecycle:
         #: Whether the caller is inside a pull (another task's ``aclose`` must cancel it).
         self.pulling = False
         #: The caller's block: ``ctx.stop()``, the shutdown and a failed prefill cancel it.
-        self.scope = scope
+        self.scope = trio.CancelScope()
         self.stream = stream
         self.ids = ids
         self._output: OutputMode = output
@@ -233,7 +231,9 @@ class Lifecycle:
         self.rids = rids
         #: Engine ids first seen in outputs (``n > 1``), mapped to "finished".
         self.children: dict[str, bool] = {}
-        self._leg = leg
+        #: A decode request's prefill leg, under ``scope``: the worker's to set, before the
+        #: first pull.
+        self.leg: PrefillLeg | None = None
 
         #: When the caller went and the cleanup became owed (trio clock).
         self.left_at: float | None = None
@@ -275,7 +275,7 @@ class Lifecycle:
     @property
     def prefill_error(self) -> Exception | None:
         """Why the request's prefill leg failed while the request was open, if it did."""
-        return None if self._leg is None else self._leg.error
+        return None if self.leg is None else self.leg.error
 
     async def pull(self) -> dict[str, Any]:
         """The caller's next chunk; ``StopAsyncIteration`` at the end."""
@@ -314,8 +314,8 @@ class Lifecycle:
     def _start_engine_side(self) -> None:
         """The first pull: the prefill leg and the reader start beside the caller."""
         self._fire(_PULL)
-        if self._leg is not None:
-            self._shared.group.start_soon(self._leg.run)
+        if self.leg is not None:
+            self._shared.group.start_soon(self.leg.run)
         if self._has_reader:
             self._reading = True
             self._shared.group.start_soon(self._read_for_caller)
@@ -338,8 +338,8 @@ class Lifecycle:
             self._receive.close()
         if was is not _OPEN:
             return
-        if self._leg is not None:
-            self._leg.end()
+        if self.leg is not None:
+            self.leg.end()
         if not self._has_reader:
             self._hand_over(pull_cancelled=pull_cancelled)
         elif self._reading and self.left_at is None:
@@ -355,8 +355,8 @@ class Lifecycle:
         A stream that finished left its leg to this.
         """
         self.leave()
-        if self._leg is not None:
-            self._leg.end()
+        if self.leg is not None:
+            self.leg.end()
 
     def _hand_over(self, *, pull_cancelled: bool) -> None:
         """The caller of a stream it read itself has gone: stop the request at the engine.

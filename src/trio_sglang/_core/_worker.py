@@ -315,31 +315,27 @@ class Worker:
         # so none is a prefix of another (SGLang aborts by prefix).
         rids = tuple(mint_rid() for _ in range(parsed.rid_count))
         ids = PublicIds.for_request(parsed, ctx.id)
-        scope = trio.CancelScope()
-        leg = None
-        if bootstrap is not None:
-            assert self._prefill is not None
-            leg = PrefillLeg(
-                self._prefill,
-                {**parsed.body, **bootstrap},
-                ids.request,
-                rids,
-                scope,
-                self._reports,
-                cancel_anytime=self._prefill_cancel_anytime,
-                cleanup_timeout=self._policy.cleanup_timeout,
-            )
         life = Lifecycle(
             self._engine.generate({**parsed.engine_request(rids), **(bootstrap or {})}),
             ids,
             rids if parsed.stable_ids else (),
             parsed.output,
             self._shared,
-            scope,
-            leg,
         )
+        if bootstrap is not None:
+            assert self._prefill is not None
+            life.leg = PrefillLeg(
+                self._prefill,
+                {**parsed.body, **bootstrap},
+                ids.request,
+                rids,
+                life.scope,
+                self._reports,
+                cancel_anytime=self._prefill_cancel_anytime,
+                cleanup_timeout=self._policy.cleanup_timeout,
+            )
         self._open_blocks.add(life)
-        attach(ctx, scope)
+        attach(ctx, life.scope)
         return life
 
     def _close_block(self, life: Lifecycle, ctx: RequestContext) -> None:
