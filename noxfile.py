@@ -57,7 +57,7 @@ def fuzz(session: nox.Session) -> None:
         "pytest",
         "tests/test_fuzz_lifecycle.py",
         "tests/test_http_bad_input.py",
-        "tests/test_disagg.py::test_disaggregated_cancels_at_random_moments",
+        "tests/test_disagg_fuzz.py",
         "-q",
         "--hypothesis-show-statistics",
         *session.posargs,

@@ -36,6 +36,16 @@ HELLO: Mapping[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens
 LONG: Mapping[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 50}}
 
 
+#: A prefill/decode pair's timing: 0.1 s a prompt token, in chunks of 4; 0.5 s to bootstrap and to send the KV.
+TIMING = ts.SimDisaggTiming(
+    prefill_time_per_token=0.1,
+    prefill_chunk_tokens=4,
+    bootstrap_delay=0.5,
+    kv_transfer_delay=0.5,
+    kv_wait_timeout=300.0,
+)
+
+
 def slow_sim(**overrides: Any) -> ts.SimEngine:
     """A SimEngine on ``SLOW_KNOBS``: registered at 0, dispatched at 1.5, tokens at 2.5, 3.5, ..."""
     return ts.SimEngine(**{**SLOW_KNOBS, **overrides})
@@ -125,3 +135,12 @@ class RecordingEngine(FaultyEngine):
     def generate(self, request: Mapping[str, Any]) -> Any:
         self.bodies.append(request)
         return super().generate(request)
+
+
+def sim_pair(
+    rooms: ts.SimKVRooms, knobs: Mapping[str, Any] = SLOW_KNOBS, timing: ts.SimDisaggTiming = TIMING
+) -> tuple[ts.SimEngine, ts.SimEngine]:
+    """A prefill and a decode SimEngine sharing ``rooms``."""
+    sides = {**knobs, "kv_rooms": rooms, "disagg_timing": timing}
+    prefill = ts.SimEngine(**sides, disaggregation_mode="prefill")
+    return prefill, ts.SimEngine(**sides, disaggregation_mode="decode")
