@@ -36,7 +36,8 @@ HELLO: Mapping[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens
 LONG: Mapping[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 50}}
 
 
-#: A prefill/decode pair's timing: 0.1 s a prompt token, in chunks of 4; 0.5 s to bootstrap and to send the KV.
+#: A prefill/decode pair's timing: 0.1 s a prompt token, in chunks of 4;
+#: 0.5 s to bootstrap, and again to send the KV.
 TIMING = ts.SimDisaggTiming(
     prefill_time_per_token=0.1,
     prefill_chunk_tokens=4,
