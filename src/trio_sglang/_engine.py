@@ -48,7 +48,7 @@ __all__ = [
     "SchedulerEcho",
 ]
 
-#: A worker's role, from its engine's ``disaggregation_mode`` (``_disagg.py``).
+#: A worker's role, from its engine's ``disaggregation_mode`` (``_core/_disagg.py``).
 Role = Literal["aggregated", "prefill", "decode"]
 
 

@@ -158,7 +158,7 @@ GENERATE_FIELDS: Mapping[str, Field] = {
     "session_params": Field(_OBJECT),
     "require_reasoning": _FLAG,
     "max_thinking_tokens": Field(_COUNT),
-    # Prefill/decode pairing (``_disagg.py`` checks the bootstrap address) and routing.
+    # Prefill/decode pairing (``_core/_disagg.py`` checks the bootstrap address) and routing.
     "bootstrap_host": Field(_ANY),
     "bootstrap_port": Field(_ANY),
     "bootstrap_room": Field(_ANY),

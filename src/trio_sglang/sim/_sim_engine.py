@@ -86,7 +86,7 @@ class SimEngine:
     ``disaggregation_mode`` (``"prefill"`` or ``"decode"``, as SGLang's
     server argument) makes it one side of a prefill/decode pair; the two
     sides share a ``SimKVRooms`` (the bootstrap server and the KV transfer)
-    and their timing is ``disagg_timing`` (see ``sim/_disagg.py`` for the
+    and their timing is ``disagg_timing`` (see ``_sim_disagg.py`` for the
     queues and how each one takes an abort).
 
     ``context_length`` is the model's context length that ``features()``
