@@ -2,7 +2,7 @@
 
 From 0.5.20 closing ``generate_request`` forgets what was not dispatched and
 aborts what was. Older releases leave parts of that undone
-(``_sglang_semantics.CloseRelease``), and this module does them, so that
+(``_semantics.CloseRelease``), and this module does them, so that
 every supported release gives the lifecycle that one contract:
 
 - **abort before close** (releases whose close does not abort): a dispatched,
@@ -35,7 +35,7 @@ Registry = MutableMapping[str, State]  # ``TokenizerManager.rid_to_state``
 
 
 def dispatched(state: State) -> bool:
-    """SGLang's dispatch mark, whichever the release has (``_sglang_semantics.DispatchMark``)."""
+    """SGLang's dispatch mark, whichever the release has (``_semantics.DispatchMark``)."""
     return bool(
         getattr(state, "dispatched", False)
         or getattr(getattr(state, "time_stats", None), "api_server_dispatch_finish_time", 0)

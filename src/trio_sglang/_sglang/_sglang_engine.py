@@ -465,7 +465,7 @@ class _SGLangStream:
     def __init__(self, engine: SGLangEngine, request: Mapping[str, Any]) -> None:
         self._engine = engine
         self._request = dict(request)
-        # Copies of its own: which states are this request's is told by them (_sglang_release).
+        # Copies of its own: which states are this request's is told by them (``_release.py``).
         params = self._request.get("sampling_params")
         if isinstance(params, Mapping):
             self._request["sampling_params"] = dict(params)
