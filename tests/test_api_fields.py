@@ -14,7 +14,6 @@ with SGLang 0.5.23's fields (``_protocol/_openai_fields.py``, ``_request/_fields
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,8 +28,6 @@ import trio
 import trio_sglang as ts
 from test_server import sse_payloads
 from trio_sglang._cli._parser import build_parser
-from trio_sglang._protocol import _openai_fields
-from trio_sglang._protocol._openai_fields import Route
 from trio_sglang.server import serve
 
 MODEL = "trio-sglang-sim"
@@ -447,140 +444,6 @@ async def test_defaults_ask_for_nothing_and_pass(start_server: StartServer) -> N
     assert response.status_code == 200, response.text
     native = {**GENERATE, "return_logprob": False, "top_logprobs_num": 0, "image_data": None}
     assert (await server.client.post("/generate", json=native)).status_code == 200
-
-
-# -- every field of each table ----------------------------------------------------------------
-
-ROUTES: dict[Route, tuple[str, dict[str, Any]]] = {
-    "completions": ("/v1/completions", COMPLETION),
-    "chat": ("/v1/chat/completions", CHAT),
-}
-#: A valid value of each field passed to the engine as it is.
-PASSED_VALUES: dict[str, Any] = {
-    "lora_path": "adapter",
-    "session_id": "s",
-    "session_params": {"id": "s"},
-    "custom_logit_processor": "{}",
-    "bootstrap_host": "127.0.0.1",
-    "bootstrap_port": 8998,
-    "bootstrap_room": 1,
-    "routed_dp_rank": 0,
-    "data_parallel_rank": 0,
-    "disagg_prefill_dp_rank": 0,
-    "extra_key": "k",
-    "cache_salt": "c",
-    "priority": 1,
-    "custom_labels": {"team": "a"},
-}
-
-
-class EveryFieldEngine(SpyEngine):
-    """Lists no honoured fields, so it is passed every one, as SGLangEngine is."""
-
-    def features(self) -> ts.EngineFeatures:
-        return dataclasses.replace(super().features(), honoured_fields=None)
-
-
-def asking(off: tuple[object, ...]) -> object:
-    """A value that asks for something, where ``off`` are the values that ask for nothing."""
-    if False in off:
-        return True
-    if 0 in off or 1 in off:
-        return 2
-    if "auto" in off:
-        return "required"
-    if [] in off:
-        return [{"type": "function", "function": {"name": "f"}}]
-    return "x"
-
-
-@pytest.mark.parametrize(
-    ("route", "key"),
-    [(route, key) for route in ROUTES for key in sorted(_openai_fields._PASSED[route])],
-)
-async def test_every_passed_field_reaches_the_engine_as_sent(
-    nursery: trio.Nursery, route: Route, key: str
-) -> None:
-    engine = EveryFieldEngine(**FAST)
-    stop = trio.Event()
-    urls = await nursery.start(
-        partial(serve, engine, port=0, model=MODEL, handle_signals=False, shutdown=stop)
-    )
-    path, body = ROUTES[route]
-    try:
-        async with httpx.AsyncClient(base_url=urls[0]) as client:
-            response = await client.post(path, json={**body, key: PASSED_VALUES[key]})
-    finally:
-        stop.set()
-    assert response.status_code == 200, response.text
-    assert engine.requests[-1][key] == PASSED_VALUES[key]
-
-
-@pytest.mark.parametrize(
-    ("route", "key"),
-    [(route, key) for route in ROUTES for key in sorted(_openai_fields._UNSUPPORTED[route])],
-)
-async def test_every_unsupported_field_is_refused_past_its_default(
-    start_server: StartServer, route: Route, key: str
-) -> None:
-    server = await start_server()
-    path, body = ROUTES[route]
-    off, why = _openai_fields._UNSUPPORTED[route][key]
-    for value in off:
-        response = await server.client.post(path, json={**body, key: value})
-        assert response.status_code == 200, (key, value, response.text)
-    error = await refused(server, path, {**body, key: asking(off)})
-    assert error["message"] == f"'{key}' is not supported by this server: {why}"
-    assert error["param"] == key
-
-
-@pytest.mark.parametrize(
-    ("route", "key"),
-    [(route, key) for route in ROUTES for key in sorted(_openai_fields._IGNORED[route])],
-)
-async def test_every_ignored_field_is_checked_then_dropped(
-    start_server: StartServer, route: Route, key: str
-) -> None:
-    server = await start_server()
-    path, body = ROUTES[route]
-    kind = _openai_fields._IGNORED[route][key]
-    good = "someone" if kind is str else True
-    response = await server.client.post(path, json={**body, key: good})
-    assert response.status_code == 200, response.text
-    assert key not in server.engine.requests[-1]
-    error = await refused(server, path, {**body, key: 7})
-    assert error["param"] == key
-
-
-@pytest.mark.parametrize(
-    ("route", "key"),
-    [(route, key) for route in ROUTES for key in sorted(_openai_fields._SAMPLING[route])],
-)
-async def test_every_sampling_field_becomes_sglangs_parameter(
-    start_server: StartServer, route: Route, key: str
-) -> None:
-    value = SAMPLING_VALUES[key]
-    server = await start_server()
-    path, body = ROUTES[route]
-    response = await server.client.post(path, json={**body, key: value})
-    assert response.status_code == 200, response.text
-    assert server.sampling[_openai_fields._SAMPLING[route][key]] == value
-
-
-#: A valid value of each OpenAI field that becomes a sampling parameter.
-SAMPLING_VALUES: dict[str, Any] = {
-    **{key: value for key, (value, _) in SGLANG_EXTRAS.items()},
-    "temperature": 0.5,
-    "top_p": 0.5,
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.5,
-    "seed": 3,
-    "n": 2,
-    "stop": ["\n"],
-    "ebnf": 'root ::= "a"',
-    "json_schema": '{"type": "string"}',
-    "logit_bias": {"1": 1.0},
-}
 
 
 # -- unknown fields: ignored, as by SGLang -----------------------------------------------------
