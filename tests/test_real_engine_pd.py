@@ -62,7 +62,9 @@ DECODE_QUEUES = (
 #: Where a client leaves: (prompt, seconds after sending, data chunks read first). On this
 #: CPU the long prompt waits in the prefill leg's bootstrap queue for about a second (its
 #: decode leg pre-allocated, waiting for the KV cache), is prefilled in two chunks for
-#: about 1.5 s, is transferred, and decodes from about 3 s on.
+#: about 1.5 s, is transferred, and decodes from about 3 s on. The decoding client reads
+#: 200 chunks (about a second of decoding): 20 took so little that the legs' load
+#: snapshots, sampled every few tens of milliseconds, missed the decoding now and then.
 LEAVES: dict[str, tuple[str | list[int], float, int]] = {
     "slow tokenization": (sweep.SLOW_PROMPT + "hello", 0.1, 0),
     "right after sending": (LONG_PROMPT, 0.0, 0),
@@ -70,7 +72,7 @@ LEAVES: dict[str, tuple[str | list[int], float, int]] = {
     "in the prefill": (LONG_PROMPT, 1.5, 0),
     "late in the prefill": (LONG_PROMPT, 2.4, 0),
     "at the first token": (LONG_PROMPT, 0.0, 1),
-    "decoding": (LONG_PROMPT, 0.0, 20),
+    "decoding": (LONG_PROMPT, 0.0, 200),
 }
 
 
