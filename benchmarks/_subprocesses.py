@@ -101,13 +101,18 @@ class Process:
 
 
 def wait_until(
-    what: str, ready: Callable[[], bool], timeout: float, *watched: Process, poll: float = 0.05
-) -> None:
-    """Poll ``ready`` until true; fail after ``timeout`` s or as soon as a watched process exits."""
-    deadline = time.monotonic() + timeout
+    what: str, ready: Callable[[], bool], timeout: float, *watched: Process, poll: float = 0.01
+) -> float:
+    """Poll ``ready`` until true; the seconds it took.
+
+    The one poll of another process's state (no event announces it here): it fails after
+    ``timeout`` s, or as soon as a watched process exits.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
     while True:
         if ready():
-            return
+            return time.monotonic() - start
         for process in watched:
             if not process.alive():
                 raise AssertionError(

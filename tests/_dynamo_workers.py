@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import httpx
 
 from _processes import free_port
 
-__all__ = ["RELEASE_BOUND", "Worker", "run_readme_block", "start_worker", "wait_for"]
+__all__ = ["RELEASE_BOUND", "Worker", "run_readme_block", "start_worker"]
 
 #: Generous: a request nobody stopped runs for tens of seconds here.
 RELEASE_BOUND = 5.0
@@ -58,16 +57,6 @@ def start_worker(deployment: Any, model: str, *args: str, name: str | None = Non
     command = deployment.trio_worker_command(model, port, *args)
     process = deployment.start_worker(name or model, command, model)
     return Worker(process, port, model)
-
-
-def wait_for(what: str, ready: Callable[[], bool], timeout: float = RELEASE_BOUND) -> float:
-    """Seconds until ``ready()``; fails past ``timeout``."""
-    start = time.monotonic()
-    while not ready():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not {what} within {timeout} s")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 #: Between a README block's start of its processes and its curl: what a person does by eye.

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from _dynamo_workers import RELEASE_BOUND, Worker, run_readme_block, start_worker, wait_for
+from _dynamo_workers import RELEASE_BOUND, Worker, run_readme_block, start_worker
 from _processes import free_port, wait_until
 from _readme import readme_block
 
@@ -132,7 +132,9 @@ def leave_after_two_chunks(deployment: Deployment, workers: list[Worker]) -> flo
         lines = (line for line in r.iter_lines() if line.startswith("data: {"))
         next(lines), next(lines)
     left = time.monotonic()
-    wait_for("every engine idle", lambda: not any(worker.live() for worker in workers))
+    wait_until(
+        "every engine idle", lambda: not any(worker.live() for worker in workers), RELEASE_BOUND
+    )
     window = time.monotonic() - left
     gone = [w.outcomes("cancelled") - c for w, c in zip(workers, cancelled, strict=True)]
     assert sorted(gone) == [0, 0, 1]  # one worker served it, and stopped it
@@ -216,17 +218,17 @@ def test_a_killed_worker_fails_its_clients_and_is_dropped_when_its_lease_ends(
         clients = [threading.Thread(target=stream_to_the_end) for _ in workers]
         for client in clients:
             client.start()
-        wait_for("three streams", lambda: sum(w.live() for w in workers) == 3, 20)
+        wait_until("three streams", lambda: sum(w.live() for w in workers) == 3, 20)
         victim = next(worker for worker in workers if worker.live())
         assert daemons.instances(victim.model) == 3
         its_streams = int(victim.live())
         victim.process.signal(signal.SIGKILL)
         killed = time.monotonic()
-        wait_for("its clients' errors", lambda: len(ended) >= its_streams, RELEASE_BOUND)
+        wait_until("its clients' errors", lambda: len(ended) >= its_streams, RELEASE_BOUND)
         at = max(when for when, _ in ended[:its_streams])
         assert all(failed for _, failed in ended[:its_streams])
         # Until its lease ends the frontend may still pick it; then never again.
-        wait_for("its lease to end", lambda: daemons.instances(victim.model) == 2, LEASE_TTL * 3)
+        wait_until("its lease to end", lambda: daemons.instances(victim.model) == 2, LEASE_TTL * 3)
         dropped = time.monotonic()
         statuses = [completion(deployment.url, workers[0].model).status_code for _ in range(12)]
         for client in clients:
@@ -282,7 +284,9 @@ def test_a_thousand_clients_leave_and_nothing_is_lost_or_left_running(
     for phase in report.phases:
         assert (phase.name, phase.left, phase.failed) == (phase.name, CLIENTS_PER_WAY, 0)
         assert (phase.name, phase.leaked) == (phase.name, 0)
-    wait_for("every engine idle", lambda: not any(worker.live() for worker in workers))
+    wait_until(
+        "every engine idle", lambda: not any(worker.live() for worker in workers), RELEASE_BOUND
+    )
     gone = [w.outcomes("cancelled") - c for w, c in zip(workers, cancelled, strict=True)]
     # Every client that left after its first token had reached a worker, which stopped it.
     reached = sum(p.left for p in report.phases if p.name.startswith(("first", "mid")))
@@ -312,7 +316,9 @@ def test_sigterm_unregisters_the_worker_first_and_its_stream_finishes_in_the_gra
         assert daemons.instances(victim.model) == 3
         victim.process.signal(signal.SIGTERM)
         signalled = time.monotonic()
-        wait_for("its registration gone", lambda: daemons.instances(victim.model) == 2)
+        wait_until(
+            "its registration gone", lambda: daemons.instances(victim.model) == 2, RELEASE_BOUND
+        )
         unregistered = time.monotonic()
         assert victim.process.alive()  # gone from etcd first, with its stream still open
         before = served(others)

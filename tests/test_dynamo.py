@@ -31,7 +31,8 @@ from urllib.parse import unquote
 import httpx
 import pytest
 
-from _dynamo_workers import Worker, run_readme_block, start_worker, wait_for
+from _dynamo_workers import RELEASE_BOUND, Worker, run_readme_block, start_worker
+from _processes import wait_until
 from _readme import ROOT, readme_block
 
 pytest.importorskip("dynamo.runtime", reason="needs the dynamo extra (nox -s dynamo)")
@@ -156,7 +157,9 @@ def test_each_refusal_is_one_line_in_the_workers_log(deployment: Any, worker: Wo
         [error] = [json.loads(line[6:]) for line in response.iter_lines() if "error" in line]
     assert error["error"]["code"] == 400
     assert "'logprobs' is not supported" in error["error"]["message"]
-    wait_for("both refusals in the worker's log", lambda: len(refusal_lines()) >= 2)
+    wait_until(
+        "both refusals in the worker's log", lambda: len(refusal_lines()) >= 2, RELEASE_BOUND
+    )
     log = worker.process.output()[start:]
     assert "Traceback" not in log, log
     assert len(refusal_lines()) == 2, log
@@ -218,12 +221,12 @@ def test_clients_leaving_before_the_first_token_and_mid_stream_stop_the_engine(
     )
     try:
         stream_then_leave(deployment.url, worker.model, 0, after=0.3)
-        wait_for("released before the first token", lambda: worker.live() == 0)
+        wait_until("released before the first token", lambda: worker.live() == 0, RELEASE_BOUND)
         assert worker.sample("trio_sglang_cancellations_total", phase="before_first_token") == 1
         assert worker.events("token") == 0
 
         stream_then_leave(deployment.url, worker.model, 5)
-        wait_for("released mid-stream", lambda: worker.live() == 0)
+        wait_until("released mid-stream", lambda: worker.live() == 0, RELEASE_BOUND)
         assert worker.sample("trio_sglang_cancellations_total", phase="mid_stream") == 1
         assert worker.events("token") < 3000 / 4
         assert worker.events("abort_lost") == 0
@@ -256,7 +259,7 @@ def test_half_of_128_streams_leaving_at_once_lose_nothing(deployment: Any, worke
     with concurrent.futures.ThreadPoolExecutor(128) as pool:
         counts = list(pool.map(client, [k % 2 == 0 for k in range(128)]))
     assert counts == [None, tokens] * 64  # every token to those who stayed
-    wait_for("every stream released", lambda: worker.live() == 0)
+    wait_until("every stream released", lambda: worker.live() == 0, RELEASE_BOUND)
     assert worker.outcomes("cancelled") - cancelled_before == 64
     assert worker.events("abort_lost") == lost_before == 0
 
@@ -335,7 +338,7 @@ def test_text_mode_a_client_leaving_mid_stream_stops_the_engine(
     mid_stream = text_worker.sample("trio_sglang_cancellations_total", phase="mid_stream")
     tokens = text_worker.events("token")
     stream_then_leave(deployment.url, text_worker.model, 5, route="chat/completions")
-    wait_for("released mid-stream", lambda: text_worker.live() == 0)
+    wait_until("released mid-stream", lambda: text_worker.live() == 0, RELEASE_BOUND)
     after = text_worker.sample("trio_sglang_cancellations_total", phase="mid_stream")
     assert after == mid_stream + 1
     assert text_worker.events("token") - tokens < 3000 / 4
@@ -367,7 +370,7 @@ def test_sigterm_unregisters_first_then_drains_the_streams(deployment: Any) -> N
         next(line for line in lines if line.startswith("data: {"))
         worker.process.signal(signal.SIGTERM)
         # Out of discovery while its stream is still running: no new requests.
-        wait_for("the worker out of discovery", lambda: not ours())
+        wait_until("the worker out of discovery", lambda: not ours(), RELEASE_BOUND)
         assert worker.process.alive()
         rest = [line for line in lines if line.startswith("data: {")]
     assert len(rest) >= 40  # the stream ran to its end
@@ -390,7 +393,7 @@ def test_a_worker_killed_without_unregistering(deployment: Any) -> None:
         statuses.append(answer.status_code)
         return answer.status_code == 404
 
-    waited = wait_for("the frontend to forget the killed worker", forgotten, timeout=90)
+    waited = wait_until("the frontend to forget the killed worker", forgotten, timeout=90)
     print(f"a killed worker: {sorted(set(statuses))} for {waited:.1f} s, then 404")
     assert set(statuses[:-1]) <= {503}, statuses
 
