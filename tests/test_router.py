@@ -56,123 +56,53 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib.util
 import json
-import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import httpx
 import openai
 import pytest
-from prometheus_client import parser
 
-from _processes import ROUTERS, Process, start_router, start_workers, wait_until
+import _router_cluster
+from _processes import wait_until
+from _router_cluster import (
+    CANCEL_BOUND,
+    FIRST_TOKEN_DELAY,
+    HEARTBEAT,
+    HEARTBEAT_BOUND,
+    LONG,
+    MODEL,
+    TIMEOUT,
+    TOKEN_GAP,
+    TOKEN_INTERVAL,
+    Cluster,
+    chat_body,
+    completions_body,
+    counts,
+    data_events,
+    deltas,
+    first_token_then_heartbeat,
+    generate_body,
+    is_heartbeat,
+    leave,
+    let_go,
+    live,
+    nothing_received,
+    open_streams,
+    post_raw,
+    require_ok,
+    running_cluster,
+    sim_events,
+    stream_to_the_end,
+    until_heartbeat,
+    wait_idle,
+)
 
-#: The SimEngine's seconds per decoded token on both workers: slow, so streams stay open.
-TOKEN_INTERVAL = 0.2
-#: A request the workers would need 200 * 0.2 = 40 s to finish on their own.
-LONG = 200
-#: Generous bound for "the worker let go": far below the 40 s natural run.
-CANCEL_BOUND = 10.0
-TIMEOUT = 10.0
-MODEL = "trio-sglang-sim"
-
-#: ``--sse-heartbeat``'s default, which the heartbeat tests' workers run with.
-HEARTBEAT = 0.1
-#: "Let go within a heartbeat": the interval, plus room for a busy 2-core machine
-#: (the polls of both workers' /metrics included). Measured: about 0.1 s.
-HEARTBEAT_BOUND = 1.0
-#: The waiting clusters' first token: what a client that left before it cost
-#: the worker without heartbeats (the issue's 5 s).
-FIRST_TOKEN_DELAY = 5.0
-#: The slow clusters' seconds between two tokens.
-TOKEN_GAP = 2.0
-
-
-@dataclass(frozen=True)
-class Behaviour:
-    """What a router does when its client leaves, as this module's tests measure it."""
-
-    #: It notices a client's closed connection at once, with nothing to write to it;
-    #: otherwise only at its next write (a token, or one of the worker's SSE heartbeats).
-    sees_a_close_at_once: bool
-    #: In PD mode it answers a stream's headers before the prefill leg ends, and keeps the
-    #: prefill leg's connection open after its client left (the leg runs on, for nobody).
-    keeps_the_prefill_leg: bool
-
-
-BEHAVIOURS = {
-    "sglang-router": Behaviour(sees_a_close_at_once=False, keeps_the_prefill_leg=False),
-    "smg": Behaviour(sees_a_close_at_once=True, keeps_the_prefill_leg=True),
-}
-
-
-@pytest.fixture(scope="module", params=list(ROUTERS))
-def router_name(request: pytest.FixtureRequest) -> str:
-    """Each router in ROUTERS, the module's tests run behind each in turn."""
-    name: str = request.param
-    module = ROUTERS[name][0].split(".")[0]
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{name} is not installed (pip install 'trio-sglang[router]')")
-    return name
-
-
-@dataclass
-class Cluster:
-    router: str
-    workers: list[str]
-    worker_processes: list[Process]
-    router_process: Process
-    behaviour: Behaviour
-
-    def require_workers_alive(self) -> None:
-        for process in self.worker_processes:
-            if not process.alive():
-                _worker_died(process)
-
-
-def _worker_died(process: Process) -> NoReturn:
-    raise AssertionError(f"{process.name} died\n{process.tail()}")
-
-
-@contextlib.contextmanager
-def running_cluster(log_dir: Path, router_name: str, *worker_args: str) -> Iterator[Cluster]:
-    """Two workers started with ``worker_args`` behind a round-robin ``router_name``;
-    stopped after."""
-    started: list[Process] = []
-    try:
-        pairs = start_workers(["worker-a", "worker-b"], log_dir, *worker_args)
-        worker_processes = [process for process, _ in pairs]
-        workers = [url for _, url in pairs]
-        started += worker_processes
-        try:
-            router, router_url = start_router(
-                log_dir,
-                workers,
-                "--policy", "round_robin",
-                "--log-level", "warn",
-                "--shutdown-grace-period-secs", "1",
-                timeout=30,
-                watched=worker_processes,
-                router=router_name,
-            )  # fmt: skip
-        except AssertionError:
-            for process in worker_processes:
-                if not process.alive():
-                    _worker_died(process)
-            raise
-        started.append(router)
-        behaviour = BEHAVIOURS[router_name]
-        cluster = Cluster(router_url, workers, worker_processes, router, behaviour)
-        cluster.require_workers_alive()
-        yield cluster
-    finally:
-        for process in reversed(started):  # the router first, then the workers
-            process.stop()
+#: Each router in ROUTERS, the module's tests run behind each in turn.
+router_name = _router_cluster.router_name
 
 
 @pytest.fixture(scope="module")
@@ -189,93 +119,6 @@ def waiting(tmp_path_factory: pytest.TempPathFactory, router_name: str) -> Itera
     args = ("--sim-first-token-delay", str(FIRST_TOKEN_DELAY))
     with running_cluster(tmp_path_factory.mktemp("waiting"), router_name, *args) as started:
         yield started
-
-
-# -- helpers -------------------------------------------------------------------
-
-
-def scrape(worker: str) -> list[Any]:
-    text = httpx.get(f"{worker}/metrics", timeout=TIMEOUT).text
-    return [s for family in parser.text_string_to_metric_families(text) for s in family.samples]
-
-
-def metric(samples: list[Any], name: str, **labels: str) -> float:
-    return float(
-        sum(
-            s.value
-            for s in samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
-    )
-
-
-def live(worker: str) -> int:
-    return int(metric(scrape(worker), "trio_sglang_engine_live_requests"))
-
-
-def wait_for(what: str, condition: Callable[[], bool], timeout: float) -> float:
-    """Poll ``condition`` until true; the seconds it took."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
-def wait_idle(cluster: Cluster) -> None:
-    wait_for(
-        "both workers hold nothing", lambda: all(live(w) == 0 for w in cluster.workers), TIMEOUT
-    )
-
-
-def require_ok(response: httpx.Response) -> None:
-    if response.status_code != 200:
-        response.read()
-        raise AssertionError(f"{response.status_code}: {response.text}")
-
-
-def generate_body(tokens: int) -> dict[str, Any]:
-    return {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": tokens}}
-
-
-def completions_body(tokens: int) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": "Hello", "max_tokens": tokens, "stream": True}
-
-
-def chat_body(tokens: int, *, stream: bool) -> dict[str, Any]:
-    messages = [{"role": "user", "content": "Hello"}]
-    return {"model": MODEL, "messages": messages, "max_tokens": tokens, "stream": stream}
-
-
-def data_events(lines: Iterator[str], count: int | None = None) -> list[str]:
-    """SSE payloads up to ``[DONE]`` (included), or the first ``count`` of them."""
-    events: list[str] = []
-    for line in lines:
-        if line.startswith("data: "):
-            events.append(line.removeprefix("data: "))
-            if events[-1] == "[DONE]" or len(events) == count:
-                break
-    return events
-
-
-def stream_to_the_end(
-    client: httpx.Client, path: str, body: dict[str, Any]
-) -> list[dict[str, Any]]:
-    with client.stream("POST", path, json=body) as response:
-        require_ok(response)
-        assert response.headers["content-type"].startswith("text/event-stream")
-        events = data_events(response.iter_lines())
-    assert events[-1] == "[DONE]", events
-    return [json.loads(event) for event in events[:-1]]
-
-
-def counts(cluster: Cluster, name: str, **labels: str) -> list[float]:
-    return [metric(scrape(worker), name, **labels) for worker in cluster.workers]
-
-
-def deltas(after: list[float], before: list[float]) -> list[float]:
-    return [a - b for a, b in zip(after, before, strict=True)]
 
 
 # -- tests -----------------------------------------------------------------------
@@ -352,14 +195,14 @@ def test_closing_clients_through_the_router_cancels_on_each_worker(cluster: Clus
         for client, response, _ in streams:
             response.close()
             client.close()
-        took = wait_for(
+        took = wait_until(
             "both workers let go of every request",
             lambda: all(live(worker) == 0 for worker in cluster.workers),
             CANCEL_BOUND,
         )
     print(f"client close -> live 0 on both workers: {took:.3f} s (token interval {TOKEN_INTERVAL})")
 
-    wait_for(
+    wait_until(
         "every request counted as cancelled",
         lambda: (
             sum(deltas(counts(cluster, requests, outcome="cancelled"), cancelled_before))
@@ -372,103 +215,6 @@ def test_closing_clients_through_the_router_cancels_on_each_worker(cluster: Clus
     assert sum(mid_stream) == len(bodies)
     assert all(n >= 1 for n in mid_stream)
     cluster.require_workers_alive()
-
-
-# -- SSE heartbeats: a client gone while its stream is silent ---------------------------
-#
-# Once the router has answered a stream (the worker sends its headers at once),
-# it notices a gone client only when it next writes to it. Without heartbeats
-# that is the first token (FIRST_TOKEN_DELAY after the request reached the
-# engine) or the next one (TOKEN_GAP later); with them, the next heartbeat.
-
-
-def sim_events(cluster: Cluster, kind: str) -> list[float]:
-    """Each worker's SimEngine events of ``kind`` so far (``token``, ``abort_applied``, ...)."""
-    return counts(cluster, "trio_sglang_sim_events_total", kind=kind)
-
-
-def is_heartbeat(line: str, previous: str | None) -> bool:
-    """A heartbeat is blank lines: a blank line that no data line ends (one after a blank
-    line, or the stream's first). An event ends with one blank line of its own."""
-    return line == "" and previous in ("", None)
-
-
-def until_heartbeat(lines: Iterator[str]) -> list[str]:
-    """Read up to the next heartbeat; the data payloads read before it."""
-    events: list[str] = []
-    previous = None
-    for line in lines:
-        if is_heartbeat(line, previous):
-            return events
-        if line.startswith("data: "):
-            events.append(line.removeprefix("data: "))
-        previous = line
-    raise AssertionError(f"the stream ended without a heartbeat: {events}")
-
-
-def first_token_then_heartbeat(lines: Iterator[str]) -> list[str]:
-    """Read up to the first data event, then up to the next heartbeat; the data payloads read."""
-    for line in lines:
-        if line.startswith("data: "):
-            return [line.removeprefix("data: "), *until_heartbeat(lines)]
-    raise AssertionError("the stream ended without a data event")
-
-
-Stream = tuple[httpx.Client, httpx.Response, Iterator[str]]
-
-
-def open_streams(
-    stack: contextlib.ExitStack, url: str, bodies: list[tuple[str, dict[str, Any]]]
-) -> list[Stream]:
-    """A client (so a connection) per body, each with its response's headers in."""
-    streams = []
-    for path, body in bodies:
-        client = stack.enter_context(httpx.Client(base_url=url, timeout=TIMEOUT))
-        response = stack.enter_context(client.stream("POST", path, json=body))
-        require_ok(response)
-        streams.append((client, response, response.iter_lines()))
-    return streams
-
-
-def leave(streams: list[Stream]) -> float:
-    """Close every stream's connection; when the first one went (``time.monotonic``)."""
-    left = time.monotonic()
-    for client, response, _ in streams:
-        response.close()
-        client.close()
-    return left
-
-
-def let_go(workers: list[str], left: float, bound: float, what: str) -> float:
-    """Poll until no worker holds a request, at most ``bound`` s; the seconds since ``left``."""
-    wait_for(what, lambda: all(live(worker) == 0 for worker in workers), bound)
-    return time.monotonic() - left
-
-
-def post_raw(url: str, path: str, body: dict[str, Any]) -> socket.socket:
-    """POST over a socket of its own and read nothing: a client that can leave at any moment,
-    with or without an answer (``close()``)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n\r\n"
-    )
-    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
-    sock.sendall(head.encode() + payload)
-    return sock
-
-
-def nothing_received(sock: socket.socket) -> bool:
-    """Whether no byte of an answer has reached ``sock`` yet."""
-    sock.setblocking(False)
-    try:
-        sock.recv(1, socket.MSG_PEEK)  # a byte, or b"" if the connection was closed
-    except BlockingIOError:
-        return True
-    finally:
-        sock.settimeout(TIMEOUT)
-    return False
 
 
 def test_behind_the_router_a_client_gone_before_the_first_token_is_let_go_within_a_heartbeat(
@@ -485,7 +231,7 @@ def test_behind_the_router_a_client_gone_before_the_first_token_is_let_go_within
     ]
     with contextlib.ExitStack() as stack:
         streams = open_streams(stack, waiting.router, bodies)
-        wait_for(
+        wait_until(
             "the workers hold both requests",
             lambda: sum(live(worker) for worker in waiting.workers) == 2,
             TIMEOUT,
@@ -518,7 +264,7 @@ def test_behind_the_router_a_non_streaming_client_that_leaves_is_let_go_at_once(
     before = sum(counts(waiting, cancellations, phase="before_first_token"))
     body = {**generate_body(LONG), "stream": False}
     with contextlib.closing(post_raw(waiting.router, "/generate", body)) as sock:
-        wait_for(
+        wait_until(
             "a worker holds the request",
             lambda: sum(live(worker) for worker in waiting.workers) == 1,
             TIMEOUT,
@@ -584,7 +330,7 @@ def test_with_heartbeats_off_the_worker_is_let_go_when_the_router_sees_the_clien
     with contextlib.ExitStack() as stack:
         sent = time.monotonic()
         streams = open_streams(stack, cluster.router, bodies)
-        wait_for(
+        wait_until(
             "the workers hold both requests",
             lambda: sum(live(worker) for worker in cluster.workers) == 2,
             TIMEOUT,
@@ -727,195 +473,6 @@ def test_clients_see_the_same_chunks_with_heartbeats_on_and_off(
         assert results[("on", "router"), name] == results[("on", "direct"), name], name
     paced.require_workers_alive()
     paced_quiet.require_workers_alive()
-
-
-# -- a prefill/decode pair behind the router in PD mode -------------------------------------
-#
-# The router sends one body to both servers. sglang-router answers nothing before
-# the prefill server has, then streams the decode server's answer: a client gone
-# during the prefill is noticed at once (nothing answered yet, heartbeats or
-# not); one gone in a gap of the decode stream, at the next heartbeat. smg
-# answers at once and keeps the prefill leg open (``BEHAVIOURS``).
-
-#: 0.05 s per prompt token in forwards of 4: a PD_PROMPT of 100 words prefills in 5 s,
-#: and a cancel takes effect after the forward in progress (0.2 s).
-PD_PREFILL_ARGS = (
-    "--disaggregation-mode", "prefill",
-    "--sim-prefill-time-per-token", "0.05",
-    "--sim-prefill-chunk-tokens", "4",
-)  # fmt: skip
-#: A decode server without a prefill peer (the router's requests carry their
-#: bootstrap fields), TOKEN_GAP between tokens.
-PD_DECODE_ARGS = (
-    "--disaggregation-mode", "decode",
-    "--allowed-bootstrap-hosts", "127.0.0.1",
-    "--sim-token-interval", str(TOKEN_GAP),
-)  # fmt: skip
-PD_PROMPT = " ".join(["word"] * 100)
-#: The prefill server's SimEngine events a test counts from.
-PD_PREFILL_EVENTS = ("prefill_chunk", "abort_applied", "kv_failed", "kv_sent")
-
-
-@dataclass
-class PD:
-    router: str
-    prefill: str
-    decode: str
-    behaviour: Behaviour
-
-    @property
-    def servers(self) -> list[str]:
-        return [self.prefill, self.decode]
-
-    def events(self, kind: str) -> list[float]:
-        """Each server's SimEngine events of ``kind``: [prefill, decode]."""
-        return [metric(scrape(s), "trio_sglang_sim_events_total", kind=kind) for s in self.servers]
-
-
-def pd_registered(router: str, roles: dict[str, str]) -> bool:
-    """Whether the router lists each URL as a healthy worker of its role."""
-    try:
-        workers = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
-    except (httpx.TransportError, ValueError, KeyError):
-        return False
-    healthy = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
-    return all(healthy.get(url) == role for url, role in roles.items())
-
-
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory, router_name: str) -> Iterator[PD]:
-    log_dir = tmp_path_factory.mktemp("pd")
-    started: list[Process] = []
-    try:
-        ((prefill, prefill_url),) = start_workers(["prefill"], log_dir, *PD_PREFILL_ARGS)
-        started.append(prefill)
-        ((decode, decode_url),) = start_workers(["decode"], log_dir, *PD_DECODE_ARGS)
-        started.append(decode)
-        bootstrap_port = prefill_url.rsplit(":", 1)[1]
-        args = ["--pd-disaggregation", "--prefill", prefill_url, bootstrap_port]
-        args += ["--decode", decode_url, "--log-level", "warn"]
-        router, url = start_router(
-            log_dir, [], *args, watched=[prefill, decode], router=router_name
-        )
-        started.append(router)
-        roles = {prefill_url: "prefill", decode_url: "decode"}
-        wait_until(
-            "the router to register both sides",
-            lambda: pd_registered(url, roles),
-            TIMEOUT,
-            *started,
-        )
-        yield PD(url, prefill_url, decode_url, BEHAVIOURS[router_name])
-    finally:
-        for process in reversed(started):
-            process.stop()
-
-
-def pd_idle(pd: PD) -> bool:
-    """Neither server holds a request, and the prefill server holds no KV room."""
-    prefill = scrape(pd.prefill)
-    held = metric(prefill, "trio_sglang_engine_live_requests") + metric(
-        prefill, "trio_sglang_kv_rooms"
-    )
-    return held == 0 and live(pd.decode) == 0
-
-
-def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_both(
-    pd: PD, record_property: Callable[[str, object], None]
-) -> None:
-    """sglang-router has answered nothing yet, so it sees the client gone at once and drops
-    both legs. smg has answered the stream's headers (the decode server's heartbeats follow),
-    lets the decode leg go within a heartbeat, and keeps the prefill leg open: the decode
-    side's abort notification stops that one, at the prefill server."""
-    wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
-    requests = "trio_sglang_requests_total"
-    cancelled = [metric(scrape(s), requests, outcome="cancelled") for s in pd.servers]
-    aborted_requests = metric(scrape(pd.prefill), requests, outcome="aborted")
-    chunks, aborted, failed, sent = (pd.events(kind) for kind in PD_PREFILL_EVENTS)
-    body = {**generate_body(50), "text": PD_PROMPT}
-    with contextlib.closing(post_raw(pd.router, "/generate", body)) as sock:
-        wait_for(
-            "the prefill computing, the decode server holding the request",
-            lambda: pd.events("prefill_chunk")[0] > chunks[0] and live(pd.decode) == 1,
-            TIMEOUT,
-        )
-        assert nothing_received(sock) is not pd.behaviour.keeps_the_prefill_leg
-        left = time.monotonic()
-    # Within a heartbeat (the decode leg) and the forward in progress (0.2 s, the prefill).
-    wait_for("both servers idle, no room left", lambda: pd_idle(pd), HEARTBEAT_BOUND)
-    took = time.monotonic() - left
-    print(f"PD: client gone during the prefill -> both servers idle: {took:.3f} s")
-    record_property("pd_prefill_let_go_s", round(took, 3))
-
-    # The prefill stopped before its end (25 forwards) and sent no KV cache.
-    forwards = pd.events("prefill_chunk")[0] - chunks[0]
-    assert forwards < len(PD_PROMPT.split()) / 4
-    stops = pd.events("abort_applied")[0] - aborted[0] + pd.events("kv_failed")[0] - failed[0]
-    assert stops == 1
-    assert pd.events("kv_sent")[0] == sent[0]
-    assert pd.events("abort_applied")[1] == aborted[1] + 1  # and the decode leg aborted
-    after = [metric(scrape(s), requests, outcome="cancelled") for s in pd.servers]
-    aborted_after = metric(scrape(pd.prefill), requests, outcome="aborted")
-    if pd.behaviour.keeps_the_prefill_leg:  # stopped by its room, its connection still open
-        assert (deltas(after, cancelled), aborted_after - aborted_requests) == ([0, 1], 1)
-    else:
-        assert (deltas(after, cancelled), aborted_after - aborted_requests) == ([1, 1], 0)
-
-
-def test_behind_the_router_in_pd_mode_a_client_whose_prefill_waits_in_the_queue_stops_both(
-    pd: PD, record_property: Callable[[str, object], None]
-) -> None:
-    """The second of two long prompts waits for the prefill server's one forward at a time;
-    its client leaves there. Its legs stop, and the first request's carry on."""
-    wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
-    chunks = pd.events("prefill_chunk")[0]
-    body = {**generate_body(50), "text": PD_PROMPT}
-    with contextlib.closing(post_raw(pd.router, "/generate", body)) as first:
-        wait_for(
-            "the first prompt prefilling",
-            lambda: pd.events("prefill_chunk")[0] > chunks,
-            TIMEOUT,
-        )
-        with contextlib.closing(post_raw(pd.router, "/generate", body)):
-            wait_for(
-                "both requests at both servers",
-                lambda: live(pd.prefill) == 2 and live(pd.decode) == 2,
-                TIMEOUT,
-            )
-            left = time.monotonic()
-        wait_for(
-            "the second request gone from both servers",
-            lambda: live(pd.prefill) == 1 and live(pd.decode) == 1,
-            HEARTBEAT_BOUND,
-        )
-        took = time.monotonic() - left
-        # The first is still being prefilled: one forward at a time, 25 in all, so the
-        # second never had one.
-        assert pd.events("prefill_chunk")[0] - chunks < len(PD_PROMPT.split()) / 4
-        assert nothing_received(first) is not pd.behaviour.keeps_the_prefill_leg
-    wait_for("both servers idle, no room left", lambda: pd_idle(pd), HEARTBEAT_BOUND)
-    print(f"PD: client gone while its prefill waited -> its legs gone: {took:.3f} s")
-    record_property("pd_waiting_let_go_s", round(took, 3))
-
-
-def test_behind_the_router_in_pd_mode_a_client_gone_in_a_decode_gap_is_let_go_within_a_heartbeat(
-    pd: PD, record_property: Callable[[str, object], None]
-) -> None:
-    wait_for("both servers idle", lambda: pd_idle(pd), TIMEOUT)
-    tokens = pd.events("token")[1]
-    mid_stream = metric(scrape(pd.decode), "trio_sglang_cancellations_total", phase="mid_stream")
-    with contextlib.ExitStack() as stack:
-        streams = open_streams(stack, pd.router, [("/generate", generate_body(LONG))])
-        ((_, _, lines),) = streams
-        assert len(first_token_then_heartbeat(lines)) == 1  # the first token, then a gap
-        left = leave(streams)
-        wait_for("both servers idle", lambda: pd_idle(pd), HEARTBEAT_BOUND)
-        took = time.monotonic() - left
-    print(f"PD: client gone mid-stream -> both servers idle: {took:.3f} s")
-    record_property("pd_mid_stream_let_go_s", round(took, 3))
-    assert pd.events("token")[1] == tokens + 1  # the second token never came
-    gained = metric(scrape(pd.decode), "trio_sglang_cancellations_total", phase="mid_stream")
-    assert gained == mid_stream + 1
 
 
 # -- benchmarks/router_cancel.py ---------------------------------------------------------------
