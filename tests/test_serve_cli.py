@@ -1,10 +1,12 @@
-"""``trio-sglang serve`` as a user runs it: a subprocess, signals, streams open."""
+"""``trio-sglang serve`` as a user runs it: a subprocess, signals, streams open, and the
+flags it refuses before it serves."""
 
 from __future__ import annotations
 
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -126,3 +128,43 @@ async def test_served_model_name_repeated_names_aliases() -> None:
     assert [model["id"] for model in models] == ["primary", "alias"]
     assert info["served_model_name"] == "primary"
     assert f"serving primary,alias on {url}" in log.decode()
+
+
+# -- disaggregation flags that cannot work ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefill-url", "http://127.0.0.1:1"], "--disaggregation-mode decode"),
+        (
+            ["--disaggregation-mode", "prefill", "--prefill-url", "http://127.0.0.1:1"],
+            "--disaggregation-mode decode",
+        ),
+        (["--disaggregation-mode", "decode", "--prefill-bootstrap-port", "9"], "--prefill-url"),
+        (["--disaggregation-mode", "decode", "--prefill-url", "127.0.0.1:1"], "http(s)://"),
+    ],
+)
+def test_serve_refuses_bad_disaggregation_flags(args: list[str], message: str) -> None:
+    result = serve_exits(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert result.stderr.count("\n") == 1  # one line
+
+
+def test_a_decode_server_whose_prefill_server_hangs_says_so_in_one_line() -> None:
+    """A prefill server that accepts connections and never answers: its 5 s bound, then exit 2."""
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as hanging:  # never accepts
+        url = f"http://127.0.0.1:{hanging.getsockname()[1]}"
+        result = serve_exits("--disaggregation-mode", "decode", "--prefill-url", url)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"the prefill server is not usable: could not read {url}/capabilities: no answer in "
+        "full within 5.0 s"
+    ]
+    assert result.stdout == ""
+
+
+def serve_exits(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "trio_sglang", "serve", "--port", "0", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=15, check=False)
