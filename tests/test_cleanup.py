@@ -14,10 +14,12 @@ import trio.testing
 
 import trio_sglang as ts
 from conftest import HELLO, LONG, Recorder, fault_records, read, slow_sim
+from trio_sglang._core._cleanup import Cleanup
 from trio_sglang._core._cleanup_group import CleanupGroup, open_cleanup_group
-from trio_sglang._core._lifecycle import Event, Lifecycle, State, shared_by_worker
+from trio_sglang._core._lifecycle import Event, Lifecycle, State
 from trio_sglang._core._outputs import PublicIds
 from trio_sglang._core._reports import Reports
+from trio_sglang._core._shared import shared_by_worker
 from trio_sglang._engine import RequestPhase
 from trio_sglang.testing import Faults, FaultyEngine
 
@@ -120,6 +122,11 @@ def lifecycle(
     return Lifecycle(SlowAbortStream(engine), PublicIds("pub"), rids, "tokens", shared)
 
 
+def cleanup_of(life: Lifecycle) -> Cleanup:
+    """The cleanup ``life`` would make if its caller left now, the engine still holding it."""
+    return life._cleanup(frozenset())
+
+
 @asynccontextmanager
 async def slow_abort_request(
     engine: SlowAbortEngine, observer: Recorder | None = None
@@ -149,7 +156,7 @@ async def test_a_closed_dispatched_request_gets_no_second_abort_while_its_first_
     """
     engine = SlowAbortEngine()
     async with slow_abort_request(engine) as request:
-        await request.stop()
+        await cleanup_of(request).stop()
         assert trio.current_time() == 3.0  # it waited for the engine to let go
     assert engine.aborts == []
 
@@ -175,7 +182,7 @@ async def test_an_engine_that_does_not_tell_what_it_sent_gets_the_abort_after_re
     """Without ``abort_sent_flag`` the worker cannot know the close sent one: it aborts."""
     engine = SlowAbortEngine(abort_sent_flag=False)
     async with slow_abort_request(engine) as request:
-        await request.stop()
+        await cleanup_of(request).stop()
     assert engine.aborts[0] == ts.AbortPolicy().release_timeout
 
 
@@ -212,10 +219,10 @@ async def test_each_id_of_a_request_gets_one_ordered_abort_however_often_it_is_a
     engine = StubbornEngine()
     policy = ts.AbortPolicy()
     async with open_cleanup_group() as group:
-        request = lifecycle(engine, group, ("rid-1", "rid-2"))
-        await request.ordered_abort("rid-1")
-        await request.ordered_abort("rid-2")
-        await request.ordered_abort("rid-1")
+        cleanup = cleanup_of(lifecycle(engine, group, ("rid-1", "rid-2")))
+        await cleanup.ordered_abort("rid-1")
+        await cleanup.ordered_abort("rid-2")
+        await cleanup.ordered_abort("rid-1")
     assert engine.aborted == ["rid-1"] * policy.abort_attempts + ["rid-2"]
 
 

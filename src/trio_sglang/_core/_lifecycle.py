@@ -28,18 +28,11 @@ closes, so that a caller who then sees the end does not count it as
 leaving early. When the engine fails under it, it leaves the state
 ``OPEN``: the caller must still take the error at its next pull.
 
-Once the caller has gone, everything that still has to be awaited runs as
-tasks of the ``CleanupGroup``, each bounded by the request's cleanup
-deadline (``AbortPolicy.cleanup_timeout`` from the caller's leaving) and
-every wait inside by its own ``AbortPolicy`` bound. Closing the engine
-stream runs SGLang's own release path (an undispatched request is
-forgotten and never reaches the scheduler, a dispatched one is aborted), so
-that comes first; the ordered abort (``_cleanup.py``) is the fallback. Once
-the release path has sent a request's abort, no second one is sent while the
-first is on its way (behind a long prefill forward, say): SGLang honours one
-abort per request, and would drop it. Where the engine hears its scheduler,
-every abort that left is then listened to until the scheduler takes it, and
-sent again past that rule if the scheduler decodes on (``_confirm.py``).
+Once the caller has gone, what still has to be awaited is the request's
+``Cleanup`` (``_cleanup.py``), made then, and only if the engine may still
+hold the request: it closes the engine stream (SGLang's own release path)
+and falls back on the ordered abort, in tasks of the worker's
+``CleanupGroup``, and says when its last task has ended.
 """
 
 from __future__ import annotations
@@ -47,36 +40,23 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVarTuple
+from collections.abc import Awaitable
+from typing import Any
 
 import trio
 
-from .._engine import (
-    Engine,
-    EngineFeatures,
-    EngineStream,
-    HearsScheduler,
-    RequestPhase,
-    SchedulerEcho,
-)
+from .._engine import EngineStream
 from .._errors import EngineError, EngineShutdown
 from .._request._parse import OutputMode
-from ._cleanup import ordered_abort, released
-from ._cleanup_group import CleanupGroup
-from ._confirm import DEAF, confirm_abort
+from ._cleanup import Cleanup, held, scheduler_done
 from ._disagg import PrefillLeg
 from ._outputs import PublicIds, format_chunk
-from ._policy import AbortPolicy
-from ._reports import Reports, describe
+from ._reports import describe
+from ._shared import Shared
 
-__all__ = ["Lifecycle", "Shared", "State", "shared_by_worker"]
+__all__ = ["Lifecycle", "State"]
 
 logger = logging.getLogger("trio_sglang")
-
-Args = TypeVarTuple("Args")
 
 
 class State(enum.Enum):
@@ -138,46 +118,6 @@ _NEXT: dict[tuple[State, Event], State] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Shared:
-    """What every request of one worker shares: made once, by the worker (``shared_by_worker``)."""
-
-    engine: Engine
-    policy: AbortPolicy
-    #: The worker's owner of every engine-side task.
-    group: CleanupGroup
-    reports: Reports
-    #: Whether closing the engine stream runs the engine's release path.
-    release_on_close: bool
-    #: The engine's release path aborts what was dispatched, and the engine
-    #: honours one abort per request: after it, another abort is dropped.
-    release_aborts_once: bool
-    #: ``policy.stall_timeout``, or ``None`` where it bounds nothing.
-    stall_timeout: float | None
-    #: The engine, if it hears its scheduler.
-    hears: HearsScheduler
-
-
-def shared_by_worker(
-    engine: Engine,
-    features: EngineFeatures,
-    policy: AbortPolicy,
-    group: CleanupGroup,
-    reports: Reports,
-) -> Shared:
-    """What a worker's requests share, from its engine, the engine's features and its policy."""
-    return Shared(
-        engine,
-        policy,
-        group,
-        reports,
-        features.release_on_close,
-        features.release_on_close and features.abort_sent_flag,
-        None if policy.stall_timeout == math.inf else policy.stall_timeout,
-        engine if isinstance(engine, HearsScheduler) else DEAF,
-    )
-
-
 class Lifecycle:
     """One request, as the worker runs it; see the module's docstring."""
 
@@ -191,20 +131,15 @@ class Lifecycle:
         "_receive",
         "_send",
         "_shared",
-        "abort_sent",
-        "abort_started",
         "children",
-        "deadline",
+        "cleanup",
         "ids",
-        "left_at",
         "leg",
         "pulling",
         "rids",
         "scope",
         "state",
         "stream",
-        "timed_out",
-        "working",
     )
 
     def __init__(
@@ -235,19 +170,9 @@ class Lifecycle:
         #: first pull.
         self.leg: PrefillLeg | None = None
 
-        #: When the caller went and the cleanup became owed (trio clock).
-        self.left_at: float | None = None
-        #: ``left_at`` plus the policy's ``cleanup_timeout``: no cleanup task
-        #: of this request runs past it.
-        self.deadline = math.inf
-        #: Cleanup tasks at work on this request; it is stopped when the last one ends.
-        self.working = 0
-        self.timed_out = False
-        #: Engine ids an ordered abort has already run for (each gets one, so a
-        #: fault is retried a bounded number of times and reported once).
-        self.abort_started = _NO_IDS
-        #: Engine ids whose abort the engine's release path has already sent.
-        self.abort_sent = _NO_IDS
+        #: The engine side's stopping, from the caller's leaving (or the engine's
+        #: failure under the reader) to its last task; none while nothing is owed.
+        self.cleanup: Cleanup | None = None
 
         self._children_unknown = not rids
         self._reading = False
@@ -342,9 +267,9 @@ class Lifecycle:
             self.leg.end()
         if not self._has_reader:
             self._hand_over(pull_cancelled=pull_cancelled)
-        elif self._reading and self.left_at is None:
+        elif self._reading and self.cleanup is None:
             self._reader_fails_closed()
-        elif not self.working:
+        elif self.cleanup is None or not self.cleanup.working:
             # The reader has ended (a failed engine stream it already stopped,
             # or the shutdown's cut): nothing works on it any more.
             self._fire(_STOPPED)
@@ -365,15 +290,18 @@ class Lifecycle:
         holds none of the request's ids, there is nothing left to await (the
         usual case, and in a burst of cancels it spares a task per request).
         """
+        abort_sent = _NO_IDS
         if pull_cancelled:
-            held = self._held()
-            if not held and self._scheduler_done():
+            rids = self.unfinished()
+            still = held(self._shared.engine, rids)
+            if not still and scheduler_done(self._shared.hears, rids):
                 self._shared.reports.cleanup_finished(0.0, released=True)
                 self._fire(_STOPPED)
                 return
             if self._shared.release_aborts_once:
-                self.abort_sent |= frozenset(held)  # what it still holds was dispatched
-        if not self._start(self.stop):
+                abort_sent = frozenset(still)  # what it still holds was dispatched
+        cleanup = self.cleanup = self._cleanup(abort_sent)
+        if not cleanup.start(cleanup.stop):
             logger.warning(
                 "request %s ended after the worker closed; the engine closed with it",
                 self.ids.request,
@@ -423,17 +351,19 @@ class Lifecycle:
         timed_out = False
         try:
             if not await self._read():
-                if self.state is _OPEN:
-                    self._fail_closed()  # the engine failed: the caller gets its error
-                with trio.move_on_at(self.deadline) as scope:
-                    await self.stop()
+                # The engine failed (the caller gets its error), or the caller left.
+                cleanup = self._fail_closed() if self.state is _OPEN else self.cleanup
+                assert cleanup is not None  # made when the caller left
+                with trio.move_on_at(cleanup.deadline) as scope:
+                    await cleanup.stop()
                 timed_out = scope.cancelled_caught
-            # Reading ran into the cleanup's deadline (a watch longer than cleanup_timeout).
-            timed_out |= trio.current_time() >= self.deadline
+            if self.cleanup is not None:
+                # Reading ran into the cleanup's deadline (a watch longer than cleanup_timeout).
+                timed_out |= trio.current_time() >= self.cleanup.deadline
         finally:
             self._reading = False
-            if self.left_at is not None:  # it failed closed: its part of the cleanup ends
-                self._end(timed_out=timed_out)
+            if self.cleanup is not None:  # it failed closed: its part of the cleanup ends
+                self.cleanup.end(timed_out=timed_out)
 
     async def _read(self) -> bool:
         """Read until the engine stream ends (True), or stop early (False)."""
@@ -448,7 +378,9 @@ class Lifecycle:
                             with contextlib.suppress(trio.BrokenResourceError):
                                 await self._send.send(out)
                         elif child is not None and not self.children[child]:
-                            self._start(self.ordered_abort, child)  # first seen after the cancel
+                            cleanup = self.cleanup  # made when the caller left
+                            assert cleanup is not None
+                            cleanup.start(cleanup.ordered_abort, child)  # first seen after it
                     ended = True
         except Exception as exc:
             self._error = exc  # before the channel closes, so that the caller raises it
@@ -470,182 +402,33 @@ class Lifecycle:
 
     def _reader_fails_closed(self) -> None:
         """The caller left a request the reader reads: it reads on only to stop what it finds."""
-        self._fail_closed()
+        cleanup = self._fail_closed()
         if self._shared.release_on_close:
             self._pull_scope.cancel()  # the engine's release path stops every child
             return
         for rid in self.unfinished():
-            self._start(self.ordered_abort, rid)
+            cleanup.start(cleanup.ordered_abort, rid)
         watch = self._shared.policy.dispatch_timeout + self._shared.policy.release_timeout
         if self._children_unknown:
             watch = self._shared.policy.child_watch_timeout
         self._pull_scope.deadline = min(self._pull_scope.deadline, trio.current_time() + watch)
 
-    def _fail_closed(self) -> None:
-        self._begin()
-        self._pull_scope.deadline = min(self._pull_scope.deadline, self.deadline)
+    def _fail_closed(self) -> Cleanup:
+        """The reader's own part of the cleanup, made now: it reads on within its deadline."""
+        cleanup = self.cleanup = self._cleanup(_NO_IDS)
+        cleanup.begin()
+        self._pull_scope.deadline = min(self._pull_scope.deadline, cleanup.deadline)
+        return cleanup
 
-    # -- the engine side's tasks, from the caller's leaving to the last one ---
-
-    def _begin(self) -> None:
-        """One more task works on the cleanup (owed from the first one)."""
-        if self.left_at is None:
-            self.left_at = trio.current_time()
-            self.deadline = self.left_at + self._shared.policy.cleanup_timeout
-        if not self.working:
-            self._shared.reports.pending += 1
-        self.working += 1
-
-    def _end(self, *, timed_out: bool) -> None:
-        """A task ``_begin`` counted has ended; after the last, say how the cleanup went."""
-        self.working -= 1
-        self.timed_out |= timed_out
-        if self.working:
-            return
-        reports = self._shared.reports
-        reports.pending -= 1
-        assert self.left_at is not None  # set by ``_begin``
-        cut = self._shared.group.cutting
-        if cut:
-            # One summary at worker exit, not a line per request in a burst.
-            reports.cut_at_close += 1
-            logger.debug("cleanup of request %s cancelled at shutdown", self.ids.request)
-        reports.cleanup_finished(trio.current_time() - self.left_at, released=not self._held())
-        if self.timed_out and not cut:
-            reports.fault(
-                "cleanup_timeout",
-                self.ids.request,
-                self.unfinished(),
-                f"the cleanup ran past {self._shared.policy.cleanup_timeout}s; "
-                "the engine may still hold it",
-                level=logging.WARNING,
-            )
-        self._fire(_STOPPED)
-
-    def _start(self, work: Callable[[*Args], Awaitable[object]], *args: *Args) -> bool:
-        """Run ``work(*args)`` as a task of the cleanup, in the worker's group.
-
-        False if the group has closed (the worker is past its grace, and the
-        engine closes with the request).
-        """
-        self._begin()
-        try:
-            self._shared.group.start_soon(self._bounded, work, *args)
-        except EngineShutdown:
-            self._end(timed_out=False)
-            return False
-        return True
-
-    async def _bounded(self, work: Callable[[*Args], Awaitable[object]], *args: *Args) -> None:
-        timed_out = False
-        try:
-            with trio.CancelScope(deadline=self.deadline) as scope:
-                await work(*args)
-            timed_out = scope.cancelled_caught
-        finally:
-            self._end(timed_out=timed_out)
-
-    async def stop(self) -> None:
-        """Close the engine stream, then make sure every id the request has is gone."""
-        await self._close()
-        rids = [rid for rid in self.unfinished() if rid not in self.abort_started]
-        for rid in rids[1:]:  # a native batch: one task per prompt, no nested nursery
-            self._start(self._settle, rid)
-        if rids:
-            await self._settle(rids[0])
-
-    async def _close(self) -> None:
-        dispatched = []
-        if self._shared.release_aborts_once:
-            phase = self._shared.engine.phase
-            dispatched = [r for r in self.unfinished() if phase(r) is RequestPhase.DISPATCHED]
-        # Shielded even from the worker's shutdown: a half-closed stream is
-        # worse than a short, bounded wait.
-        with trio.move_on_after(self._shared.policy.close_timeout, shield=True) as scope:
-            try:
-                await self.stream.aclose()
-            except Exception as exc:
-                self._shared.reports.fault(
-                    "close_error",
-                    self.ids.request,
-                    self.unfinished(),
-                    "closing the engine stream raised",
-                    error=exc,
-                )
-            else:
-                self.abort_sent |= frozenset(dispatched)
-        if scope.cancelled_caught:
-            self._shared.reports.fault(
-                "close_timeout",
-                self.ids.request,
-                self.unfinished(),
-                f"closing the engine stream took over {self._shared.policy.close_timeout}s",
-                level=logging.WARNING,
-            )
-
-    async def _settle(self, rid: str) -> None:
-        if (echo := self._shared.hears.echo(rid)) is not None:
-            await self._confirm(rid, echo)  # the scheduler's own word
-            return
-        with trio.move_on_after(self._shared.policy.release_timeout):
-            await released(self._shared.engine, rid)
-            return
-        if rid in self.abort_sent:
-            # Its abort is on its way (behind a forward in progress, say): a
-            # second one would be dropped. Wait on, within the cleanup's deadline.
-            await released(self._shared.engine, rid)
-            return
-        await self.ordered_abort(rid)
-
-    async def ordered_abort(self, rid: str) -> None:
-        """The ordered abort of ``rid`` (see ``_cleanup.py``), once per id of the request."""
-        if rid in self.abort_started:
-            return
-        self.abort_started |= {rid}
-        await ordered_abort(
-            self._shared.engine,
-            self._shared.policy,
-            self._shared.reports,
-            self.ids.request,
-            rid,
-            self._shared.hears,
+    def _cleanup(self, abort_sent: frozenset[str]) -> Cleanup:
+        """The engine side's stopping, owed from now (``_cleanup.py``)."""
+        return Cleanup(
+            self._shared, self.stream, self.ids.request, self.unfinished, self._stopped, abort_sent
         )
-        if (echo := self._shared.hears.echo(rid)) is not None:
-            await self._confirm(rid, echo)
 
-    # -- what the scheduler said after an abort (``_confirm.py``) ---------------
-
-    async def _confirm(self, rid: str, echo: SchedulerEcho) -> None:
-        phase = self._shared.engine.phase
-
-        def held() -> bool:
-            return phase(rid) is not RequestPhase.ABSENT
-
-        try:
-            await confirm_abort(
-                self._shared.hears,
-                self._shared.policy,
-                self._shared.reports,
-                self.ids.request,
-                rid,
-                echo,
-                held,
-            )
-        finally:
-            self._shared.hears.forget_echo(rid)
-
-    def _scheduler_done(self) -> bool:
-        """Whether the scheduler finished every id of the request it was sent an abort for.
-
-        Their echoes are forgotten then; one still open needs a cleanup task to listen to it.
-        """
-        hears = self._shared.hears
-        echoes = [(rid, echo) for rid in self.unfinished() if (echo := hears.echo(rid)) is not None]
-        if not all(echo.finished for _, echo in echoes):
-            return False
-        for rid, _ in echoes:
-            hears.forget_echo(rid)
-        return True
+    def _stopped(self) -> None:
+        """The last task of the cleanup has ended."""
+        self._fire(_STOPPED)
 
     # -- the request's engine ids ----------------------------------------------
 
@@ -658,11 +441,6 @@ class Lifecycle:
         new = rid not in self.children
         self.children[rid] = self.children.get(rid, False) or meta.get("finish_reason") is not None
         return rid if new else None
-
-    def _held(self) -> list[str]:
-        """The ids of this request that the engine still holds."""
-        phase = self._shared.engine.phase
-        return [rid for rid in self.unfinished() if phase(rid) is not RequestPhase.ABSENT]
 
     def unfinished(self) -> list[str]:
         """Every engine id that may still be running: known ones and unfinished children."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from .._request._values import check_at_least
+
 __all__ = ["AbortPolicy"]
 
 #: The policy's counts, not seconds: each one's least value.
@@ -66,18 +68,8 @@ class AbortPolicy:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
+            name = f"AbortPolicy.{field.name}"
             if field.name in _COUNTS:
-                least = _COUNTS[field.name]
-                if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                    raise ValueError(
-                        f"AbortPolicy.{field.name} must be an int >= {least}, got {value!r}"
-                    )
-            elif (
-                not isinstance(value, int | float)
-                or isinstance(value, bool)
-                or math.isnan(value)
-                or value < 0
-            ):
-                raise ValueError(
-                    f"AbortPolicy.{field.name} must be a number of seconds >= 0, got {value!r}"
-                )
+                check_at_least(name, value, _COUNTS[field.name], integer=True)
+            else:
+                check_at_least(name, value, 0)

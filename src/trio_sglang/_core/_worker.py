@@ -52,10 +52,11 @@ from ._disagg import (
 )
 from ._drain import Drain
 from ._ids import mint_rid
-from ._lifecycle import Lifecycle, shared_by_worker
+from ._lifecycle import Lifecycle
 from ._outputs import PublicIds
 from ._policy import AbortPolicy
 from ._reports import Reports, WorkerObserver
+from ._shared import shared_by_worker
 
 __all__ = ["PreparedRequest", "ResponseStream", "Worker", "open_worker"]
 
