@@ -8,8 +8,9 @@ says what each one costs and when to change it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
+
+from ._request._values import check_at_least
 
 __all__ = ["API_KEY_ENV", "Address", "ServerLimits", "parse_address"]
 
@@ -94,14 +95,11 @@ class ServerLimits:
         for field in fields(self):
             name, value = field.name, getattr(self, field.name)
             if name.endswith("_timeout"):  # 0 would refuse every client at once
-                if not _is_number(value) or math.isnan(value) or value <= 0:
-                    raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+                check_at_least(name, value, 0, above=True)
             elif name == "sse_heartbeat":  # 0: off
-                if not _is_number(value) or math.isnan(value) or value < 0:
-                    raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+                check_at_least(name, value, 0)
             elif name.startswith("max_") or (name == "context_length" and value is not None):
-                if not _is_number(value) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                check_at_least(name, value, 1, integer=True)
             elif name == "http2" and not isinstance(value, bool):
                 raise ValueError(f"http2 must be a bool, got {value!r}")
             elif name == "api_key" and value == "":
@@ -110,10 +108,6 @@ class ServerLimits:
                 for entry in value:
                     if parse_address(entry) is None:
                         raise ValueError(f"{name}: {entry!r} is not a host or host:port")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def parse_address(value: bytes | str) -> Address | None:

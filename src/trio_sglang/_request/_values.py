@@ -1,8 +1,11 @@
-"""What a JSON value must be, as the request checks see it: the shared predicates.
+"""What a value must be: the predicates the request checks share, and the settings' one range check.
 
 JSON has one number type; Python's ``json`` makes ints and floats of it, and
 ``True`` is an ``int`` to Python. SGLang's own checks (msgspec, pydantic)
-refuse a bool where a number goes, so these do too.
+refuse a bool where a number goes, so these do too, and so does
+``check_at_least``, the range check of every settings class (``AbortPolicy``,
+``ServerLimits``, the SimEngine's timings, ``Faults``), so that each says a
+bad value the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +14,16 @@ import math
 import reprlib
 from typing import TypeGuard
 
-__all__ = ["MAX_INT", "is_int", "is_number", "is_one_of", "is_token_list", "is_unicode", "shown"]
+__all__ = [
+    "MAX_INT",
+    "check_at_least",
+    "is_int",
+    "is_number",
+    "is_one_of",
+    "is_token_list",
+    "is_unicode",
+    "shown",
+]
 
 #: The largest token id or token count SGLang's int32 fields hold.
 MAX_INT = 2**31 - 1
@@ -29,6 +41,36 @@ def is_number(value: object) -> TypeGuard[int | float]:
         return math.isfinite(float(value))
     except OverflowError:
         return False
+
+
+def check_at_least(
+    name: str,
+    value: object,
+    least: int,
+    *,
+    integer: bool = False,
+    above: bool = False,
+    finite: bool = False,
+) -> None:
+    """Refuse ``value`` (``ValueError``, naming ``name``) unless it is at least ``least``.
+
+    ``integer``: an int (not a bool); otherwise a number of seconds, not NaN,
+    and ``finite`` if asked. ``above``: strictly above ``least``.
+    """
+    if integer:
+        kind = "an int"
+        ok = is_int(value) and (value > least if above else value >= least)
+    else:
+        kind = "a finite number of seconds" if finite else "a number of seconds"
+        ok = (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and not math.isnan(value)
+            and (math.isfinite(value) or not finite)
+            and (value > least if above else value >= least)
+        )
+    if not ok:
+        raise ValueError(f"{name} must be {kind} {'>' if above else '>='} {least}, got {value!r}")
 
 
 def is_one_of(value: object, options: tuple[object, ...]) -> bool:

@@ -39,7 +39,6 @@ responses reveal (``phase`` then answers from what the streams have seen).
 from __future__ import annotations
 
 import asyncio
-import math
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping, Sequence
@@ -57,6 +56,7 @@ from .._asyncio_bridge._asyncio_side import (
 from .._echoes import Echoes
 from .._engine import EngineFeatures, RequestPhase, SchedulerEcho
 from .._hosted_app import HostedApp
+from .._request._values import check_at_least
 from ._chat_prompts import SGLangChat
 from ._cpu import prepare_cpu_engine, with_cpu_defaults
 from ._fields_taken import fields_taken
@@ -117,8 +117,7 @@ class SGLangEngine:
             raise ValueError(
                 "template_manager= goes with tokenizer_manager= (an sglang.Engine has its own)"
             )
-        if not (isinstance(poll_interval, int | float) and 0 < poll_interval < math.inf):
-            raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
+        check_at_least("poll_interval", poll_interval, 0, above=True, finite=True)
         if asyncio_loop is None:
             trio_asyncio()  # now, rather than at the first request
         self._host_loop = asyncio_loop

@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from .._kv_rooms import BootstrapAddr
+from .._request._values import check_at_least
 from ._trace import Trace
 
 __all__ = ["OutputSink", "SimScheduler", "SimTiming"]
@@ -45,14 +46,7 @@ class SimTiming:
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
-            value = getattr(self, name)
-            if (
-                not isinstance(value, int | float)
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+            check_at_least(name, getattr(self, name), 0, finite=True)
 
 
 @dataclass(slots=True, eq=False)

@@ -40,7 +40,6 @@ here each stage is a trio task waiting on a live peer's room events.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from typing import Any, ClassVar, Literal
 import trio
 
 from .._kv_rooms import BootstrapAddr, KVRooms, RoomEvent
+from .._request._values import check_at_least
 from ._scheduler import OutputSink, SimScheduler, SimTiming
 from ._trace import Trace, TraceKind
 
@@ -91,18 +91,10 @@ class SimDisaggTiming:
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
-            value = getattr(self, name)
             if name == "prefill_chunk_tokens":
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+                check_at_least(name, getattr(self, name), 1, integer=True)
             else:
-                ok = (
-                    isinstance(value, int | float)
-                    and not isinstance(value, bool)
-                    and math.isfinite(value)
-                    and value >= 0
-                )
-            if not ok:
-                raise ValueError(f"{name} must be a number >= 0 (chunk >= 1), got {value!r}")
+                check_at_least(name, getattr(self, name), 0, finite=True)
 
 
 @dataclass(slots=True)
@@ -130,12 +122,7 @@ class SimKVRooms:
     """
 
     def __init__(self, *, forget_after: float = 300.0) -> None:
-        if isinstance(forget_after, bool) or not (
-            isinstance(forget_after, int | float) and 0 <= forget_after < math.inf
-        ):
-            raise ValueError(
-                f"forget_after must be a finite number of seconds >= 0, got {forget_after!r}"
-            )
+        check_at_least("forget_after", forget_after, 0, finite=True)
         self._forget_after = forget_after
         self._rooms: dict[int, _Room] = {}
         #: (when to forget it, room, its state then), oldest first: every room made.

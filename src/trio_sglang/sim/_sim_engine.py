@@ -12,6 +12,7 @@ from .._engine import EngineFeatures, RequestPhase, SchedulerEcho
 from .._kv_rooms import KVRooms
 from .._protocol._transcript import plain_transcript
 from .._request._sampling import SAMPLING_PARAMS, native_name
+from .._request._values import check_at_least
 from ._scheduler import SimTiming
 from ._sim_disagg import (
     DisaggregationMode,
@@ -139,10 +140,8 @@ class SimEngine:
                 "a disaggregated SimEngine needs kv_rooms: one SimKVRooms shared "
                 "with its prefill or decode peer"
             )
-        if not isinstance(context_length, int) or context_length < 1:
-            raise ValueError(f"context_length must be an int >= 1, got {context_length!r}")
-        if type(missed_aborts) is not int or missed_aborts < 0:
-            raise ValueError(f"missed_aborts must be an int >= 0, got {missed_aborts!r}")
+        check_at_least("context_length", context_length, 1, integer=True)
+        check_at_least("missed_aborts", missed_aborts, 0, integer=True)
         self.context_length = context_length
         self.timing = SimTiming(tokenize_delay, dispatch_delay, first_token_delay, token_interval)
         self.disaggregation_mode = disaggregation_mode

@@ -20,6 +20,7 @@ import trio
 
 from .._engine import ChatTemplating, Engine, EngineFeatures, EngineStream, RequestPhase
 from .._protocol._transcript import plain_transcript
+from .._request._values import check_at_least
 
 __all__ = ["AbortFault", "CloseFault", "Faults", "FaultyEngine"]
 
@@ -53,8 +54,8 @@ class Faults:
     def __post_init__(self) -> None:
         for name in ("abort_failures", "stream_error_after", "stream_silent_after"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"Faults.{name} must be None or an int >= 0, got {value!r}")
+            if value is not None:  # None: no such fault
+                check_at_least(f"Faults.{name}", value, 0, integer=True)
 
 
 class FaultyEngine:
