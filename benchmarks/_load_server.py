@@ -10,7 +10,6 @@ reaps it.
 
 from __future__ import annotations
 
-import re
 import shlex
 import signal
 import subprocess
@@ -26,10 +25,10 @@ import trio
 
 from _load_clients import http_client
 from _load_metrics import Scrape
+from _subprocesses import served_url
 
 __all__ = ["ServerLog", "ServerProcess", "open_server"]
 
-_SERVING = re.compile(r"serving \S+ on (http://\S+)")
 _QUIET_LEVELS = ("DEBUG", "INFO")
 _LEVELS = (*_QUIET_LEVELS, "WARNING", "ERROR", "CRITICAL")
 #: Seconds a server gets to exit after SIGTERM, before SIGKILL. trio's own
@@ -58,8 +57,8 @@ class ServerLog:
         self.levels[level if level in _LEVELS else "other"] += 1
         if level not in _QUIET_LEVELS:
             self.notable.append(line)
-        if self.url is None and (match := _SERVING.search(line)):
-            self.url = match.group(1)
+        if self.url is None and (url := served_url(line)) is not None:
+            self.url = url
             self.ready.set()
 
     async def drain(self, stream: trio.abc.ReceiveStream) -> None:

@@ -8,7 +8,6 @@ multi-worker tests (``tests/_processes.py`` re-exports it). Built on
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from _subprocesses import Process, free_ports, healthy, wait_until
+from _subprocesses import Process, free_ports, healthy, served_url, wait_until
 
 __all__ = ["ROUTERS", "start_router", "start_workers"]
 
@@ -27,8 +26,6 @@ ROUTERS: dict[str, tuple[str, ...]] = {
     "sglang-router": ("sglang_router.launch_router",),
     "smg": ("smg", "launch"),
 }
-
-_SERVING = re.compile(r"serving \S+ on (http://\S+)")
 
 
 def _get_json(url: str) -> Any:
@@ -41,17 +38,14 @@ def _get_json(url: str) -> Any:
 
 def _wait_serving(process: Process, timeout: float) -> str:
     """The URL ``serve`` reports, once /health answers 200 there."""
-    output = ""
-
-    def reported() -> bool:
-        nonlocal output
-        output = process.output()
-        return _SERVING.search(output) is not None
-
-    wait_until(f"{process.name} to report its URL", reported, timeout, process)
-    match = _SERVING.search(output)
-    assert match is not None
-    url = match.group(1)
+    wait_until(
+        f"{process.name} to report its URL",
+        lambda: served_url(process.output()) is not None,
+        timeout,
+        process,
+    )
+    url = served_url(process.output())
+    assert url is not None
     wait_until(
         f"{process.name} to answer /health",
         lambda: healthy(url),

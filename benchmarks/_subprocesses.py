@@ -8,6 +8,7 @@ SIGTERM, then SIGKILL. The multi-worker tests import it too
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import time
@@ -15,7 +16,10 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Process", "free_port", "healthy", "wait_until"]
+__all__ = ["Process", "free_port", "healthy", "served_url", "wait_until"]
+
+#: What ``serve`` (and the benchmarks' own HTTP servers) print once they listen.
+_SERVING = re.compile(r"serving \S+ on (http://\S+)")
 
 
 def free_port() -> int:
@@ -35,6 +39,12 @@ def free_ports(count: int) -> list[int]:
         for sock in socks:
             sock.bind(("127.0.0.1", 0))
         return [int(sock.getsockname()[1]) for sock in socks]
+
+
+def served_url(output: str) -> str | None:
+    """The URL of the "serving MODEL on URL" line in ``output``, once it is there."""
+    found = _SERVING.search(output)
+    return None if found is None else found.group(1)
 
 
 def healthy(url: str, timeout: float = 30.0) -> bool:

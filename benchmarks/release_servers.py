@@ -39,7 +39,7 @@ import httpx
 from _http_servers_cpu import SLOW_PROMPT
 from _output import write_json
 from _server_sweep import close_after
-from _subprocesses import Process, healthy, wait_until
+from _subprocesses import Process, healthy, served_url, wait_until
 from trio_sglang_harness import logged_since
 
 HERE = Path(__file__).resolve().parent
@@ -92,18 +92,18 @@ def started(name: str, folder: Path) -> Iterator[Server]:
     ]
     process = Process(name, command, folder / f"{name}.log")
     try:
-        wait_until(f"{name} to print its URL", lambda: _url(process) is not None, 300, process)
-        url = _url(process)
+        wait_until(
+            f"{name} to print its URL",
+            lambda: served_url(process.output()) is not None,
+            300,
+            process,
+        )
+        url = served_url(process.output())
         assert url is not None
         wait_until(f"{name} to answer", lambda: healthy(url), 60, process)
         yield Server(name, url, workdir / f"scheduler-{process.pid}.jsonl")
     finally:
         process.stop(timeout=30)
-
-
-def _url(process: Process) -> str | None:
-    found = re.search(r"serving \S+ on (http://\S+)", process.output())
-    return None if found is None else found.group(1)
 
 
 def _fates(events: list[dict[str, Any]]) -> dict[str, str]:

@@ -34,28 +34,22 @@ import argparse
 import contextlib
 import json
 import random
-import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from _output import table, write_json
-from _subprocesses import free_ports
+from _serve_processes import start_router, start_workers
 
 __all__ = ["Config", "Trial", "main", "run_benchmark"]
 
-_SERVING = re.compile(r"serving \S+ on (http://\S+)")
-#: Far more than a worker or the router needs to start on a busy machine.
-START_TIMEOUT = 30.0
 #: A socket read, a scrape.
 IO_TIMEOUT = 10.0
 #: Tokens a request asks for: it never ends on its own within a trial.
@@ -94,102 +88,6 @@ class Trial:
 # -- processes ------------------------------------------------------------------------------
 
 
-class Process:
-    """A subprocess logging to a file (no pipe to fill); ``stop`` always reaps it."""
-
-    def __init__(self, name: str, args: Sequence[str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        with log.open("wb") as out:
-            self.popen = subprocess.Popen(
-                list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
-            )
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-        self.popen.wait()
-
-
-def _wait(what: str, ready: Callable[[], bool], process: Process, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if process.popen.poll() is not None:
-            raise RuntimeError(
-                f"{process.name} exited while waiting for {what}:\n{process.output()}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}:\n{process.output()[-2000:]}")
-        time.sleep(0.05)
-
-
-def _get_json(url: str) -> Any:
-    try:
-        response = httpx.get(url, timeout=2)
-        return response.json() if response.status_code == 200 else None
-    except (httpx.TransportError, ValueError):
-        return None
-
-
-def launch_worker(stack: contextlib.ExitStack, log_dir: Path, name: str, *args: str) -> Process:
-    """``trio-sglang serve ARGS`` on a free port, stopped with ``stack``."""
-    command = [sys.executable, "-m", "trio_sglang", "serve", "--port", "0", *args]
-    process = Process(name, command, log_dir / f"{name}.log")
-    stack.callback(process.stop)
-    return process
-
-
-def worker_url(process: Process) -> str:
-    """A launched worker's URL, once its ``/health`` answers."""
-
-    def serving() -> bool:
-        return _SERVING.search(process.output()) is not None
-
-    _wait(f"{process.name} to serve", serving, process, START_TIMEOUT)
-    match = _SERVING.search(process.output())
-    assert match is not None
-    url = match.group(1)
-    _wait(
-        f"{process.name} /health",
-        lambda: _get_json(f"{url}/health") is not None,
-        process,
-        START_TIMEOUT,
-    )
-    return url
-
-
-def launch_router(
-    stack: contextlib.ExitStack, log_dir: Path, name: str, worker: str
-) -> tuple[Process, str]:
-    """sglang-router in front of ``worker``, stopped with ``stack``; its URL."""
-    port, metrics_port = free_ports(2)
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", worker]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
-    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
-    command += ["--log-level", "warn"]
-    process = Process(name, command, log_dir / f"{name}.log")
-    stack.callback(process.stop)
-    return process, f"http://127.0.0.1:{port}"
-
-
-def wait_registered(process: Process, url: str, worker: str) -> None:
-    """Until the router at ``url`` lists ``worker`` as healthy."""
-
-    def registered() -> bool:
-        listing = _get_json(f"{url}/workers")
-        workers = listing.get("workers", []) if isinstance(listing, dict) else []
-        return any(w.get("url") == worker and w.get("is_healthy") for w in workers)
-
-    _wait(f"{process.name} to register its worker", registered, process, START_TIMEOUT)
-
-
 @dataclass(frozen=True, slots=True)
 class Setup:
     heartbeat: float
@@ -199,27 +97,26 @@ class Setup:
 
 
 def start_setups(stack: contextlib.ExitStack, log_dir: Path, config: Config) -> list[Setup]:
-    """A worker behind a router of its own per heartbeat setting and phase, started together."""
+    """A worker behind a router of its own per heartbeat setting and phase, stopped with
+    ``stack`` (each router before its worker)."""
     timing = {
         "before_first_token": ("--sim-first-token-delay", str(config.first_token_delay)),
         "mid_stream": ("--sim-token-interval", str(config.token_gap)),
     }
-    kinds = [(heartbeat, phase) for heartbeat in (config.heartbeat, 0.0) for phase in PHASES]
-    workers = []
-    for heartbeat, phase in kinds:
-        args = (*timing[phase], "--sse-heartbeat", str(heartbeat))
-        workers.append(launch_worker(stack, log_dir, f"worker-{phase}-{heartbeat:g}", *args))
-    urls = [worker_url(process) for process in workers]
-    routers = [
-        launch_router(stack, log_dir, f"router-{phase}-{heartbeat:g}", url)
-        for (heartbeat, phase), url in zip(kinds, urls, strict=True)
-    ]
-    for (process, router), url in zip(routers, urls, strict=True):
-        wait_registered(process, router, url)
-    return [
-        Setup(heartbeat, phase, url, router)
-        for (heartbeat, phase), url, (_, router) in zip(kinds, urls, routers, strict=True)
-    ]
+    setups = []
+    for heartbeat in (config.heartbeat, 0.0):
+        for phase in PHASES:
+            name = f"{phase}-{heartbeat:g}"
+            folder = log_dir / name  # a router logs to its own name: one folder per setup
+            folder.mkdir()
+            args = (*timing[phase], "--sse-heartbeat", str(heartbeat))
+            ((worker, url),) = start_workers([f"worker-{name}"], folder, *args)
+            stack.callback(worker.stop)
+            router_args = ("--policy", "round_robin", "--log-level", "warn")
+            router, router_url = start_router(folder, [url], *router_args, watched=[worker])
+            stack.callback(router.stop)
+            setups.append(Setup(heartbeat, phase, url, router_url))
+    return setups
 
 
 # -- one trial --------------------------------------------------------------------------------

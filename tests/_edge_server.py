@@ -27,10 +27,9 @@ from typing import Any
 import httpx
 from prometheus_client import parser
 
-from _processes import Process, wait_until
+from _processes import Process, served_url, wait_until
 
 MODEL = "trio-sglang-sim"
-_SERVING = re.compile(r"serving \S+ on (http://\S+)")
 #: Bound on one HTTP call of the test's own (health checks, scrapes, requests).
 TIMEOUT = 5.0
 #: Bound on "the server holds no request any more" after a client went away.
@@ -165,11 +164,11 @@ def launch(
     process = Process(log.stem, command, log)
     try:
         wait_until(
-            "the serving line", lambda: _SERVING.search(process.output()) is not None, 20, process
+            "the serving line", lambda: served_url(process.output()) is not None, 20, process
         )
-        match = _SERVING.search(process.output())
-        assert match is not None
-        server = Server(process, match.group(1), headers or {})
+        url = served_url(process.output())
+        assert url is not None
+        server = Server(process, url, headers or {})
 
         def answers() -> bool:
             try:

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _serve_processes import ROUTERS, start_router, start_workers
-from _subprocesses import Process, free_port, free_ports, healthy, wait_until
+from _subprocesses import Process, free_port, free_ports, healthy, served_url, wait_until
 
 __all__ = [
     "ROUTERS",
@@ -21,6 +21,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "healthy",
+    "served_url",
     "start_router",
     "start_workers",
     "wait_until",
