@@ -14,6 +14,7 @@ import trio
 
 from ._context import RequestContext
 from ._disagg import PrefillFailed
+from ._outputs import finish_reason_type
 from ._worker import Worker
 
 __all__ = ["InProcessPrefill"]
@@ -40,5 +41,5 @@ class InProcessPrefill:
         async with self._worker.generate(request, ctx, output="native") as outputs:
             async for out in outputs:
                 reason = out["meta_info"]["finish_reason"]
-        if not isinstance(reason, dict) or reason.get("type") != "length":
+        if finish_reason_type(reason) != "length":
             raise PrefillFailed(f"the prefill worker ended the leg with {reason!r}")

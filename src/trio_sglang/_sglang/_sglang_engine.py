@@ -53,6 +53,7 @@ from .._asyncio_bridge._asyncio_side import (
     open_trio_asyncio_side,
     trio_asyncio,
 )
+from .._core._outputs import finish_reason_type
 from .._echoes import Echoes
 from .._engine import EngineFeatures, RequestPhase, SchedulerEcho
 from .._hosted_app import HostedApp
@@ -584,7 +585,7 @@ class _SGLangStream:
         text = out.get("text")
         ids = list(out.get("output_ids") or ())
         if self._increments:
-            if isinstance(reason, dict) and reason.get("type") == "abort":
+            if finish_reason_type(reason) == "abort":
                 # SGLang's abort echo repeats the whole text and the last id.
                 text, ids = "", []
         else:

@@ -10,6 +10,7 @@ import httpx
 
 from .._bounded_http import Answer, BadAnswer, read_answer
 from .._core._disagg import PrefillFailed
+from .._core._outputs import finish_reason_type
 
 __all__ = ["HTTPPrefill"]
 
@@ -120,7 +121,7 @@ class HTTPPrefill:
         except BadAnswer as exc:
             raise PrefillFailed(str(exc)) from exc
         reason = _finish_reason(answer, self.name)
-        if not isinstance(reason, dict) or reason.get("type") != "length":
+        if finish_reason_type(reason) != "length":
             raise PrefillFailed(f"{self.name} ended the prefill with {reason!r:.200}")
 
 
