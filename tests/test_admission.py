@@ -154,7 +154,7 @@ async def test_a_wrong_route_answered_unread_leaves_the_connection_to_the_next_o
 async def test_a_refusal_goes_at_once_and_closes_the_connection(
     start_server: StartServer, head: bytes, status: int
 ) -> None:
-    """Before issue 28 a refusal waited for the body (up to the read timeout, 30 s): a
+    """Without this rule a refusal waited for the body (up to the read timeout, 30 s): a
     client that never sent one held its connection slot, key or no key, all that time."""
     limits = ServerLimits(allowed_hosts=("127.0.0.1",), api_key="k", request_read_timeout=30.0)
     server = await start_server(limits=limits)
@@ -176,7 +176,7 @@ async def test_a_refusal_goes_at_once_and_closes_the_connection(
 async def test_content_length_with_transfer_encoding_is_refused_and_the_connection_closed(
     start_server: StartServer,
 ) -> None:
-    """RFC 9112, 6.3. Before issue 28 the connection stayed open, and the bytes after the
+    """RFC 9112, 6.3. Without this rule the connection stayed open, and the bytes after the
     chunked body ran as a request of their own: here an abort_all."""
     server = await start_server()
     smuggled = (

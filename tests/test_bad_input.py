@@ -1,4 +1,4 @@
-"""Lifecycle row 10: bad input gets a clear error and registers nothing at the engine.
+"""Bad input gets a clear error and registers nothing at the engine.
 
 Every bad request goes through ``worker.generate`` on a real ``SimEngine``: it
 must raise ``ts.InvalidRequest`` (a ``ValueError``) whose message names the

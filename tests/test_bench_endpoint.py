@@ -422,7 +422,7 @@ def test_saved_runs_compare_side_by_side(tmp_path: Path) -> None:
 
 
 def test_a_figure_that_is_not_finite_is_saved_as_null(tmp_path: Path) -> None:
-    """Before issue 37 a lying server's ``+Inf`` counter wrote a bare ``NaN`` into the file:
+    """Without this rule a lying server's ``+Inf`` counter wrote a bare ``NaN`` into the file:
     not JSON, which strict readers (``jq``, browsers, ``allow_nan=False``) refuse."""
     report = dataclasses.replace(made_up_report(), idle_tokens_per_s=math.inf)
     report.phases[0].tokens_generated = math.nan
@@ -437,7 +437,7 @@ def test_a_figure_that_is_not_finite_is_saved_as_null(tmp_path: Path) -> None:
 
 
 def test_what_a_server_says_reaches_the_terminal_escaped() -> None:
-    """Before issue 37 a lying server's terminal escape codes reached the operator's screen."""
+    """Without this rule a lying server's terminal escape codes reached the operator's screen."""
     assert printable("line\x1b[2J\x1b]0;owned\x07 ok\nnext\r") == (
         "line\\x1b[2J\\x1b]0;owned\\x07 ok\nnext\\r"
     )

@@ -1,4 +1,4 @@
-"""The HTTP edge: slow, stalled and hostile clients never hold the engine (issue 13).
+"""The HTTP edge: slow, stalled and hostile clients never hold the engine.
 
 Each test runs ``trio-sglang serve`` as a real process on loopback (on the
 SimEngine) and talks to it as a misbehaving client would, over raw sockets
@@ -118,7 +118,7 @@ def test_clients_that_stop_reading_are_dropped_after_the_stall_timeout(
         time.sleep(1)
         assert server.rss() - after < 1 << 20, "RSS still growing once the clients were dropped"
     # Once for the ten (they stall within the 10 s the line covers), not per client
-    # (issue 28: 1,000 slow readers were 1,000 lines), and never per token.
+    # (once, 1,000 slow readers were 1,000 lines), and never per token.
     lines = [line for line in server.output().splitlines() if "stall" in line.lower()]
     assert len(lines) == 1, lines
     assert lines[0].startswith("INFO trio_sglang.server: dropped clients (1 stalled)"), lines
@@ -177,7 +177,7 @@ def test_a_second_signal_skips_the_grace_and_exits_128_plus_signum(
 def test_signals_until_the_very_end_never_meet_the_default_handler(
     start: Callable[..., Server], signum: signal.Signals
 ) -> None:
-    """Issue 28: a second SIGTERM after the engine closed, in the interpreter's exit,
+    """A second SIGTERM after the engine closed, in the interpreter's exit, once
     killed the process (status -15, 3 runs in 6). Here signals come every 5 ms from the
     first to the process's end: the status is 0 (the engine closed first) or 128 +
     signum (a signal cut the grace short), never a death by signal, never a traceback."""
@@ -355,7 +355,7 @@ def test_idle_connections_past_the_fd_limit_leave_room_for_new_ones(
 
 #: Idle connections for the memory test, and what each may cost the server: hypercorn's
 #: protocol, task group and timer took about 18 KiB a connection before its first byte
-#: (issue 28, finding 11: 5,000 idle connections, +75 MB); a socket and a parked task, 6.
+#: (measured: 5,000 idle connections, +75 MB); a socket and a parked task, 6.
 IDLE_CONNECTIONS = 3000
 IDLE_CONNECTION_BYTES = 9 << 10
 

@@ -223,7 +223,7 @@ def test_a_bad_h2c_upgrade_is_one_log_line_without_headers(start: Callable[..., 
     assert secret not in server.output()
 
 
-# -- 12. HTTP/2 clients that grant no window (issue 28) -------------------------------
+# -- 12. HTTP/2 clients that grant no window --------------------------------------
 
 
 def _zero_window_h2(streams: int) -> bytes:
@@ -253,7 +253,7 @@ def _zero_window_h2(streams: int) -> bytes:
 def test_zero_window_http2_clients_hold_no_slot(
     start: Callable[..., Server], flags: tuple[str, ...], streams: int
 ) -> None:
-    """Before issue 28, 50 such connections took every slot of ``--max-connections 50``
+    """Without this rule, 50 such connections took every slot of ``--max-connections 50``
     for good (and 21 of 100 streams each, every request slot): ``/health`` timed out.
 
     HTTP/2 off (the default), the preface is answered as the HTTP/1.1 request it
@@ -291,8 +291,8 @@ def test_zero_window_http2_clients_hold_no_slot(
 def test_an_http2_stream_its_client_takes_nothing_of_is_stopped(
     start: Callable[..., Server],
 ) -> None:
-    """With ``--http2``: a long streaming ``/generate`` on a window of 0. Before issue 28
-    it generated on for nobody, its handler and slot held for good; now the stream is
+    """With ``--http2``: a long streaming ``/generate`` on a window of 0. Without this
+    rule it generated on for nobody, its handler and slot held for good; now the stream is
     reset once 32 KiB wait for the client and the stall timeout passed, its request
     stopped at the engine, the connection (left with no stream) dropped, and counted
     as a stalled client."""

@@ -1,11 +1,11 @@
-"""Hostile clients leave nothing held: connections, slots, descriptors, engine requests (issue 37).
+"""Hostile clients leave nothing held: connections, slots, descriptors, engine requests.
 
 Each test runs ``trio-sglang serve`` as a process on loopback (the SimEngine)
 and is the client an attack on it was: frames that ask for nothing, bytes
 pipelined behind a request, a burst of HTTP/2 streams then a reset, many
 requests of many children, strings that are not Unicode. After each, the
 server answers ``/health`` at once, holds no request, and exits cleanly on
-SIGTERM. Each test failed before issue 37, its docstring says how, but the
+SIGTERM. Each test failed before its rule held, its docstring says how, but the
 three controls: a flood on a server without HTTP/2, a well-behaved HTTP/2
 client, and pipelining as HTTP/1.1 allows it.
 """
@@ -130,7 +130,7 @@ def _goaway(sock: socket.socket, timeout: float) -> int | None:
 def test_a_flood_of_frames_that_ask_for_nothing_is_dropped_and_stalls_nothing(
     start: Callable[..., Server], kind: str
 ) -> None:
-    """Before issue 37 70 KB of PRIORITY frames once stalled ``/health`` for seconds (it
+    """Without this rule 70 KB of PRIORITY frames once stalled ``/health`` for seconds (it
     timed out here), and floods of PING, SETTINGS or empty DATA held a core: now the
     client gets a GOAWAY (``ENHANCE_YOUR_CALM``) within its budget and is dropped."""
     server = start("--http2")
@@ -187,7 +187,7 @@ def test_a_clients_start_and_keep_alive_pings_are_within_the_budget(
 def test_a_byte_pipelined_behind_a_stream_holds_no_slot_once_its_client_left(
     start: Callable[..., Server], how: str
 ) -> None:
-    """Before issue 37 each such client, gone, held its connection for good: 25 of them
+    """Without this rule each such client, gone, held its connection for good: 25 of them
     made a server of ``--max-connections 20`` unanswerable. Now each is let go at once."""
     server = start("--max-connections", "5", "--sim-token-interval", "0.01")
     body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": LONG}}
@@ -207,7 +207,7 @@ def test_a_byte_pipelined_behind_a_stream_holds_no_slot_once_its_client_left(
 def test_a_byte_pipelined_behind_a_whole_response_does_not_hide_its_clients_leaving(
     start: Callable[..., Server], how: str
 ) -> None:
-    """Before issue 37 such a request ran to its last token for nobody (30,000 here: ten
+    """Without this rule such a request ran to its last token for nobody (30,000 here: ten
     minutes); now it stops as soon as its client has gone."""
     server = start("--sim-token-interval", "0.02")
     body = {"text": "hi", "sampling_params": {"max_new_tokens": LONG, "n": 4}}
@@ -261,8 +261,8 @@ def test_a_client_pipelining_past_the_bound_is_dropped(start: Callable[..., Serv
 def test_http2_streams_opened_while_the_connection_closes_all_stop(
     start: Callable[..., Server],
 ) -> None:
-    """A burst of 50 streaming requests in one write, then a reset, five times. Before
-    issue 37 the streams that the server opened after the close began got no
+    """A burst of 50 streaming requests in one write, then a reset, five times. Without
+    this rule the streams that the server opened after the close began got no
     disconnect: 5 to 18 generated on 10 s later. Now every one stops."""
     server = start("--http2", "--sim-token-interval", "0.01")
     body = json.dumps(
@@ -302,7 +302,7 @@ def fanned_out(server: Server, requests: int, *, answered: bool) -> Iterator[Non
 
 def test_the_children_in_flight_are_bounded_in_total(start: Callable[..., Server]) -> None:
     """``--max-running-requests`` counts engine requests, each completion one, as SGLang's
-    scheduler counts them. Before issue 37 it counted HTTP requests: 20 of ``n`` = 256
+    scheduler counts them. Without this rule it counted HTTP requests: 20 of ``n`` = 256
     made every ``/health`` time out, and SIGTERM did not end the process in 30 s."""
     server = start("--max-running-requests", "512", "--sim-token-interval", "0.01")
     with fanned_out(server, 2, answered=True):
@@ -355,7 +355,7 @@ LONE = "\ud800"
 def test_a_lone_surrogate_anywhere_is_a_400_that_reaches_nothing(
     start: Callable[..., Server], path: str, field: str, value: Any
 ) -> None:
-    """Before issue 37 ``cache_salt`` got a 502 after the engine failed on it (a traceback
+    """Without this rule ``cache_salt`` got a 502 after the engine failed on it (a traceback
     per request, and on a decode server the request whole in an ERROR line), and the
     other four reached the engine. ``json.dumps`` writes the lone surrogate as the
     escape ``\\ud800``, as a client would."""
@@ -387,7 +387,7 @@ def test_a_lone_surrogate_anywhere_is_a_400_that_reaches_nothing(
 
 
 def test_a_body_in_more_pieces_than_the_bound_is_a_400(start: Callable[..., Server]) -> None:
-    """Before issue 37 a megabyte in 1-byte chunks cost the server 16 s of CPU; now the
+    """Without this rule a megabyte in 1-byte chunks cost the server 16 s of CPU; now the
     body's 4,097th piece ends it, and a body of ordinary pieces is taken."""
     server = start()
     host, port = server.address

@@ -1,4 +1,4 @@
-"""The budgets that keep one client from costing the server without bound (issue 37).
+"""The budgets that keep one client from costing the server without bound.
 
 ``LogThrottle`` (a fault a client causes at will is a few log lines, not one
 per request), the fault log's ``describe`` (no line carries a request whole),

@@ -1,4 +1,4 @@
-"""Bad answers from a decode server's peers end one request, never the process (issue 28).
+"""Bad answers from a decode server's peers end one request, never the process.
 
 A decode server reads answers from other servers: its KV rooms' long polls
 (at whatever bootstrap address a request names, within
@@ -6,8 +6,8 @@ A decode server reads answers from other servers: its KV rooms' long polls
 ``/capabilities`` and ``/generate``. A hostile peer here answers each of
 those with one of ``ANSWERS``: a nesting deep enough to end a recursive
 parser, a body that never ends, one that trickles a byte at a time, a
-compression bomb, bytes that are not HTTP, a wrong shape, or nothing. Before
-issue 28, the first ended the server with a ``RecursionError`` and the
+compression bomb, bytes that are not HTTP, a wrong shape, or nothing. Without
+these bounds, the first ended the server with a ``RecursionError`` and the
 second with a ``MemoryError`` after 2.7 GB.
 
 ``HTTPPrefill`` and ``HTTPKVRooms`` are checked in-process (each bad answer
@@ -281,7 +281,7 @@ def test_a_decode_server_lives_through_bad_prefill_answers(
 @pytest.mark.slow
 @pytest.mark.parametrize("answer", list(ANSWERS))
 def test_bench_endpoint_against_a_bad_server_refuses_in_one_line(peer: _Peer, answer: str) -> None:
-    """Before issue 28 a trickled metrics page hung it, an endless one or an endless SSE
+    """Without this rule a trickled metrics page hung it, an endless one or an endless SSE
     line grew it to 3.8 GB (a raw MemoryError), nested JSON was a RecursionError traceback.
 
     Here every answer the server gives is bad, its metrics page included: the run

@@ -451,7 +451,7 @@ async def test_aclose_during_another_tasks_pull(
 async def test_the_prefix_cache_keeps_no_salt_it_was_given(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Before issue 28 it kept each ``cache_salt`` whole: 300 salts of 1 MB pinned 300 MB."""
+    """Without this rule it kept each ``cache_salt`` whole: 300 salts of 1 MB pinned 300 MB."""
     import gc
     import tracemalloc
 
@@ -537,7 +537,7 @@ async def test_a_request_that_fell_behind_its_cadence_is_not_owed_what_it_missed
     """A decode step gives each running request one token, however late it runs.
 
     When the process falls behind (more requests than it decodes for), each pass
-    of the scheduler steps every due request once and yields: before issue 37 it
+    of the scheduler steps every due request once and yields: without this rule it
     stepped a late request for every interval it had missed, all without a
     checkpoint, and thousands of requests at a short interval froze the process.
     """
