@@ -26,22 +26,42 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVarTuple
+from typing import Protocol, TypeVarTuple
 
 import trio
 
 from .._engine import Engine, EngineStream, HearsScheduler, RequestPhase, SchedulerEcho
 from .._errors import EngineShutdown
 from ._confirm import confirm_abort
+from ._outputs import PublicIds
 from ._policy import AbortPolicy
 from ._reports import EngineFault, Reports
 from ._shared import Shared
 
-__all__ = ["Cleanup", "held", "ordered_abort", "released", "scheduler_done"]
+__all__ = ["Cleanup", "Stoppable", "held", "ordered_abort", "released", "scheduler_done"]
 
 logger = logging.getLogger("trio_sglang")
 
 Args = TypeVarTuple("Args")
+
+
+class Stoppable(Protocol):
+    """The request a ``Cleanup`` stops, as it sees it (its ``Lifecycle``)."""
+
+    @property
+    def stream(self) -> EngineStream: ...
+
+    @property
+    def ids(self) -> PublicIds: ...
+
+    def unfinished(self) -> list[str]:
+        """The request's engine ids that may still run (children come and finish as the
+        reader reads on)."""
+        ...
+
+    def stopped(self) -> None:
+        """The last task of the cleanup has ended."""
+        ...
 
 
 class Cleanup:
@@ -50,9 +70,6 @@ class Cleanup:
     __slots__ = (
         "_request",
         "_shared",
-        "_stopped",
-        "_stream",
-        "_unfinished",
         "abort_sent",
         "abort_started",
         "deadline",
@@ -61,23 +78,10 @@ class Cleanup:
         "working",
     )
 
-    def __init__(
-        self,
-        shared: Shared,
-        stream: EngineStream,
-        request: str,
-        unfinished: Callable[[], list[str]],
-        stopped: Callable[[], None],
-        abort_sent: frozenset[str],
-    ) -> None:
-        """``unfinished``: the request's engine ids that may still run (its children come
-        and finish as the reader reads on); ``stopped``: told once the last task has ended;
-        ``abort_sent``: the ids whose abort the engine's release path has already sent."""
+    def __init__(self, shared: Shared, request: Stoppable, abort_sent: frozenset[str]) -> None:
+        """``abort_sent``: the ids whose abort the engine's release path has already sent."""
         self._shared = shared
-        self._stream = stream
         self._request = request
-        self._unfinished = unfinished
-        self._stopped = stopped
         #: Engine ids whose abort the engine's release path has already sent.
         self.abort_sent = abort_sent
         #: Engine ids an ordered abort has already run for (each gets one, so a
@@ -109,19 +113,19 @@ class Cleanup:
         if cut:
             # One summary at worker exit, not a line per request in a burst.
             reports.cut_at_close += 1
-            logger.debug("cleanup of request %s cancelled at shutdown", self._request)
-        still = held(self._shared.engine, self._unfinished())
+            logger.debug("cleanup of request %s cancelled at shutdown", self._request.ids.request)
+        still = held(self._shared.engine, self._request.unfinished())
         reports.cleanup_finished(trio.current_time() - self.left_at, released=not still)
         if self.timed_out and not cut:
             reports.fault(
                 "cleanup_timeout",
-                self._request,
-                self._unfinished(),
+                self._request.ids.request,
+                self._request.unfinished(),
                 f"the cleanup ran past {self._shared.policy.cleanup_timeout}s; "
                 "the engine may still hold it",
                 level=logging.WARNING,
             )
-        self._stopped()
+        self._request.stopped()
 
     def start(self, work: Callable[[*Args], Awaitable[object]], *args: *Args) -> bool:
         """Run ``work(*args)`` as a task of the cleanup, in the worker's group.
@@ -149,7 +153,7 @@ class Cleanup:
     async def stop(self) -> None:
         """Close the engine stream, then make sure every id the request has is gone."""
         await self._close()
-        rids = [rid for rid in self._unfinished() if rid not in self.abort_started]
+        rids = [rid for rid in self._request.unfinished() if rid not in self.abort_started]
         for rid in rids[1:]:  # a native batch: one task per prompt, no nested nursery
             self.start(self._settle, rid)
         if rids:
@@ -160,17 +164,19 @@ class Cleanup:
         dispatched = []
         if shared.release_aborts_once:
             phase = shared.engine.phase
-            dispatched = [r for r in self._unfinished() if phase(r) is RequestPhase.DISPATCHED]
+            dispatched = [
+                r for r in self._request.unfinished() if phase(r) is RequestPhase.DISPATCHED
+            ]
         # Shielded even from the worker's shutdown: a half-closed stream is
         # worse than a short, bounded wait.
         with trio.move_on_after(shared.policy.close_timeout, shield=True) as scope:
             try:
-                await self._stream.aclose()
+                await self._request.stream.aclose()
             except Exception as exc:
                 shared.reports.fault(
                     "close_error",
-                    self._request,
-                    self._unfinished(),
+                    self._request.ids.request,
+                    self._request.unfinished(),
                     "closing the engine stream raised",
                     error=exc,
                 )
@@ -179,8 +185,8 @@ class Cleanup:
         if scope.cancelled_caught:
             shared.reports.fault(
                 "close_timeout",
-                self._request,
-                self._unfinished(),
+                self._request.ids.request,
+                self._request.unfinished(),
                 f"closing the engine stream took over {shared.policy.close_timeout}s",
                 level=logging.WARNING,
             )
@@ -206,7 +212,12 @@ class Cleanup:
         self.abort_started |= {rid}
         shared = self._shared
         await ordered_abort(
-            shared.engine, shared.policy, shared.reports, self._request, rid, shared.hears
+            shared.engine,
+            shared.policy,
+            shared.reports,
+            self._request.ids.request,
+            rid,
+            shared.hears,
         )
         if (echo := shared.hears.echo(rid)) is not None:
             await self._confirm(rid, echo)
@@ -221,7 +232,13 @@ class Cleanup:
 
         try:
             await confirm_abort(
-                shared.hears, shared.policy, shared.reports, self._request, rid, echo, still_held
+                shared.hears,
+                shared.policy,
+                shared.reports,
+                self._request.ids.request,
+                rid,
+                echo,
+                still_held,
             )
         finally:
             shared.hears.forget_echo(rid)

@@ -422,12 +422,15 @@ class Lifecycle:
 
     def _cleanup(self, abort_sent: frozenset[str]) -> Cleanup:
         """The engine side's stopping, owed from now (``_cleanup.py``)."""
-        return Cleanup(
-            self._shared, self.stream, self.ids.request, self.unfinished, self._stopped, abort_sent
-        )
+        return Cleanup(self._shared, self, abort_sent)
 
-    def _stopped(self) -> None:
-        """The last task of the cleanup has ended."""
+    def stopped(self) -> None:
+        """The last task of the cleanup has ended (``Cleanup.end``).
+
+        The cleanup is let go here, so that the two, which name each other, go
+        with their last reference, not at the collector's next pass.
+        """
+        self.cleanup = None
         self._fire(_STOPPED)
 
     # -- the request's engine ids ----------------------------------------------
