@@ -16,9 +16,7 @@ every few decode steps, so a figure is good to a few milliseconds.
 
 from __future__ import annotations
 
-import json
 import re
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +28,7 @@ from typing import Any
 import httpx
 
 from _http_servers_cpu import SLOW_PROMPT
+from _raw_post import post_raw
 from _stats import percentiles
 from _subprocesses import Process, free_port, healthy, wait_until
 
@@ -117,14 +116,7 @@ def leave(server: Server, phase: str) -> float:
 def close_after(url: str, body: dict[str, Any], after: float, chunks: int) -> float:
     """A streaming ``/generate`` of ``body`` over a raw socket, closed ``after`` s from the
     send and ``chunks`` data chunks in; the moment it closed (``time.monotonic``)."""
-    data = json.dumps({**body, "stream": True}).encode()
-    host, port = url.removeprefix("http://").split(":")
-    head = (
-        f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as client:
-        client.sendall(head + data)
+    with post_raw(url, "/generate", {**body, "stream": True}, timeout=30) as client:
         time.sleep(after)
         seen = b""
         while seen.count(b"data: {") < chunks:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import socket
 import statistics
@@ -46,6 +45,7 @@ from pathlib import Path
 import httpx
 
 from _output import table, write_json
+from _raw_post import post_raw
 from _serve_processes import start_router, start_workers
 
 __all__ = ["Config", "Trial", "main", "run_benchmark"]
@@ -143,16 +143,8 @@ def wait_idle(worker: str, timeout: float) -> float | None:
 
 def stream(url: str) -> socket.socket:
     """A streaming ``/generate`` over a socket of its own."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
     body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": LONG}}
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /generate HTTP/1.1\r\nhost: {host}:{port}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
-    )
-    sock = socket.create_connection((host, int(port)), timeout=IO_TIMEOUT)
-    sock.sendall(head.encode() + payload)
-    return sock
+    return post_raw(url, "/generate", body, IO_TIMEOUT)
 
 
 def read_until(sock: socket.socket, marker: bytes) -> None:

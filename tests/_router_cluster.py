@@ -24,6 +24,7 @@ import pytest
 from prometheus_client import parser
 
 from _processes import ROUTERS, Process, start_router, start_workers, wait_until
+from _processes import post_raw as raw_post
 
 #: The SimEngine's seconds per decoded token on both workers: slow, so streams stay open.
 TOKEN_INTERVAL = 0.2
@@ -279,15 +280,7 @@ def let_go(workers: list[str], left: float, bound: float, what: str) -> float:
 def post_raw(url: str, path: str, body: dict[str, Any]) -> socket.socket:
     """POST over a socket of its own and read nothing: a client that can leave at any moment,
     with or without an answer (``close()``)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n\r\n"
-    )
-    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
-    sock.sendall(head.encode() + payload)
-    return sock
+    return raw_post(url, path, body, TIMEOUT)
 
 
 def nothing_received(sock: socket.socket) -> bool:
@@ -300,3 +293,13 @@ def nothing_received(sock: socket.socket) -> bool:
     finally:
         sock.settimeout(TIMEOUT)
     return False
+
+
+def pd_registered(router: str, roles: dict[str, str]) -> bool:
+    """Whether the router lists each URL as a healthy worker of its role."""
+    try:
+        workers = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
+    except (httpx.TransportError, ValueError, KeyError):
+        return False
+    healthy = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
+    return all(healthy.get(url) == role for url, role in roles.items())

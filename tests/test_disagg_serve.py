@@ -51,6 +51,7 @@ from _processes import (
     wait_until,
 )
 from _readme import readme_block
+from _router_cluster import pd_registered
 from test_serve_cli import serve_exits
 
 PREFILL_ARGS = (
@@ -144,7 +145,7 @@ def routed(log_dir: Path, prefill: Server, lone_decode: Server) -> Iterator[Rout
         roles = {prefill.url: "prefill", lone_decode.url: "decode"}
         wait_until(
             "the router to register both sides",
-            lambda: _registered(url, roles),
+            lambda: pd_registered(url, roles),
             TIMEOUT,
             router,
             *watched,
@@ -152,16 +153,6 @@ def routed(log_dir: Path, prefill: Server, lone_decode: Server) -> Iterator[Rout
         yield Routed(Pair(prefill, lone_decode), url)
     finally:
         router.stop()
-
-
-def _registered(router: str, roles: dict[str, str]) -> bool:
-    """Whether the router lists each URL as a healthy worker of its role."""
-    try:
-        workers = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
-    except (httpx.TransportError, ValueError, KeyError):
-        return False
-    listed = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
-    return all(listed.get(url) == role for url, role in roles.items())
 
 
 # -- metrics ---------------------------------------------------------------------
@@ -561,7 +552,7 @@ def test_the_disaggregation_page_router_commands_work_as_written(tmp_path: Path)
         router_url = f"http://127.0.0.1:{ports[8400]}"
         wait_until(
             "the router to register both sides",
-            lambda: _registered(router_url, roles),
+            lambda: pd_registered(router_url, roles),
             TIMEOUT,
             *started,
         )

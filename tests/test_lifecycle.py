@@ -140,6 +140,26 @@ async def test_an_engine_error_mid_stream_reaches_the_caller_and_still_stops_the
         ]
 
 
+@pytest.mark.mutant_pin
+async def test_a_caller_busy_while_the_reader_stops_a_failed_stream_still_gets_the_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The reader (no release on close) meets the engine's error, stops the request, and its
+    cleanup is over before the caller pulls again: that pull still raises the error, and the
+    caller's leaving, with the cleanup gone, owes nothing more."""
+    sim = slow_sim(release_on_close=False)
+    engine = FaultyEngine(sim, Faults(stream_error_after=1))
+    async with ts.open_worker(engine) as worker:
+        async with worker.generate(HELLO, ts.RequestContext("busy"), output="tokens") as chunks:
+            await chunks.__anext__()
+            await trio.sleep(30)  # the stream fails; the reader stops it and its cleanup ends
+            assert (worker.pending_cleanups, sim.live_rids()) == (0, set())
+            with pytest.raises(ts.EngineError, match=r"generating busy \(RuntimeError\)"):
+                await chunks.__anext__()
+        assert worker.pending_cleanups == 0
+    assert sim.trace.kinds(only_rid(sim))[-2:] == ["abort_requested", "abort_applied"]
+
+
 async def test_an_abort_that_raises_is_retried_and_logged(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
 import _router_cluster
@@ -36,6 +35,7 @@ from _router_cluster import (
     metric,
     nothing_received,
     open_streams,
+    pd_registered,
     post_raw,
     scrape,
 )
@@ -85,16 +85,6 @@ class PD:
     def events(self, kind: str) -> list[float]:
         """Each server's SimEngine events of ``kind``: [prefill, decode]."""
         return [metric(scrape(s), "trio_sglang_sim_events_total", kind=kind) for s in self.servers]
-
-
-def pd_registered(router: str, roles: dict[str, str]) -> bool:
-    """Whether the router lists each URL as a healthy worker of its role."""
-    try:
-        workers = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
-    except (httpx.TransportError, ValueError, KeyError):
-        return False
-    healthy = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
-    return all(healthy.get(url) == role for url, role in roles.items())
 
 
 @pytest.fixture(scope="module")
