@@ -50,7 +50,7 @@ QUICK = (
     "trio_sglang._core._worker.xǁWorkerǁ_[!_]*",
     "trio_sglang._core._worker.xǁWorkerǁend_grace*",
     "trio_sglang._core._cleanup.*",
-    "trio_sglang._core._confirm.*",
+    "trio_sglang._core._shared.*",
     "trio_sglang._core._cleanup_group.*",
     "trio_sglang._core._drain.*",
     "trio_sglang._core._disagg.xǁPrefillLegǁend*",

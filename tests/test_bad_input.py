@@ -23,8 +23,8 @@ import trio.testing
 
 import trio_sglang as ts
 from conftest import finish_reason, read, slow_sim
-from trio_sglang._core._ids import RID_LENGTH
 from trio_sglang._request._fields import GENERATE_FIELDS
+from trio_sglang._request._ids import RID_LENGTH
 from trio_sglang._request._sampling import SAMPLING_PARAMS
 from trio_sglang.sim._sim_engine import HONOURED_FIELDS
 

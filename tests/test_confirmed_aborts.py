@@ -1,4 +1,4 @@
-"""Aborts the scheduler misses are heard and sent again (``_core/_confirm.py``).
+"""Aborts the scheduler misses are heard and sent again (``Cleanup._confirm``).
 
 On the SimEngine with ``missed_aborts``: its scheduler lets a request's first
 aborts pass it by and decodes on (SGLang issue #36876), and its
@@ -20,9 +20,12 @@ import trio.testing
 
 import trio_sglang as ts
 from conftest import SLOW_KNOBS, Recorder, read, slow_sim
-from trio_sglang._core._confirm import DEAF, confirm_abort
+from trio_sglang._core._cleanup import Cleanup
+from trio_sglang._core._cleanup_group import open_cleanup_group
+from trio_sglang._core._outputs import PublicIds
 from trio_sglang._core._reports import Reports
-from trio_sglang._engine import HearsScheduler, SchedulerEcho
+from trio_sglang._core._shared import DEAF, Shared
+from trio_sglang._engine import HearsScheduler, RequestPhase, SchedulerEcho
 from trio_sglang.sim._tokenizer import SimStream
 
 #: Long enough that a request decoding for nobody is plain to see.
@@ -223,7 +226,7 @@ async def test_an_abort_sent_again_that_raises_is_reported(
     assert recorder.faults == ["abort_error"]
 
 
-# -- confirm_abort itself, against a scheduler the test plays ------------------------------
+# -- the confirmation itself, against a scheduler the test plays ------------------------------
 
 
 class Ears:
@@ -253,13 +256,51 @@ async def outputs(echo: SchedulerEcho, every: float, finish_at: float = math.inf
     echo.heard(finished=True)
 
 
+class Registry:
+    """The engine as the confirmation reads it: whether it still holds the id."""
+
+    def __init__(self, held: bool) -> None:
+        self.held = held
+
+    def phase(self, rid: str) -> RequestPhase:
+        return RequestPhase.DISPATCHED if self.held else RequestPhase.ABSENT
+
+
+class Request:
+    """The request a ``Cleanup`` stops, as it sees it; the confirmation reads its public id."""
+
+    ids = PublicIds("pub")
+    stream: Any = None
+
+    def unfinished(self) -> list[str]:
+        return ["rid-1"]
+
+    def stopped(self) -> None:
+        return None
+
+
+async def confirm_abort(
+    ears: Ears,
+    echo: SchedulerEcho,
+    *,
+    held: bool,
+    recorder: Recorder,
+    policy: ts.AbortPolicy | None = None,
+) -> None:
+    """The cleanup of one request's ``rid-1`` listens to ``ears`` after its abort."""
+    async with open_cleanup_group() as group:
+        policy = policy or ts.AbortPolicy()
+        reports = Reports(recorder)
+        shared = Shared(Registry(held), policy, group, reports, True, True, None, ears)  # type: ignore[arg-type]
+        await Cleanup(shared, Request(), frozenset())._confirm("rid-1", echo)
+
+
 async def confirm(
     echo: SchedulerEcho, *, held: bool, recorder: Recorder, policy: ts.AbortPolicy | None = None
 ) -> tuple[float, list[float]]:
-    """``confirm_abort`` from 0; when it returned, and when it sent an abort again."""
+    """The confirmation from 0; when it returned, and when it sent an abort again."""
     ears = Ears(echo)
-    policy = policy or ts.AbortPolicy()
-    await confirm_abort(ears, policy, Reports(recorder), "pub", "rid-1", echo, lambda: held)
+    await confirm_abort(ears, echo, held=held, recorder=recorder, policy=policy)
     return trio.current_time(), ears.again
 
 
@@ -321,9 +362,7 @@ async def test_an_abort_sent_again_that_raises_is_reported_with_its_error(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(outputs, echo, 1.0)
-        await confirm_abort(
-            Broken(echo), ts.AbortPolicy(), Reports(recorder), "pub", "rid-1", echo, lambda: True
-        )
+        await confirm_abort(Broken(echo), echo, held=True, recorder=recorder)
         nursery.cancel_scope.cancel()
     assert trio.current_time() == 3.0
     assert recorder.faults == ["abort_error"]
@@ -344,9 +383,7 @@ async def test_an_abort_sent_again_that_hangs_is_reported_after_abort_timeout(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(outputs, echo, 1.0)
-        await confirm_abort(
-            Stuck(echo), ts.AbortPolicy(), Reports(recorder), "pub", "rid-1", echo, lambda: True
-        )
+        await confirm_abort(Stuck(echo), echo, held=True, recorder=recorder)
         nursery.cancel_scope.cancel()
     assert trio.current_time() == 3.0 + ts.AbortPolicy().abort_timeout
     assert recorder.faults == ["abort_timeout"]

@@ -48,7 +48,7 @@ with warnings.catch_warnings():
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-from trio_sglang import InvalidRequest
+from trio_sglang import EngineFeatures, InvalidRequest
 from trio_sglang._protocol import _openai_fields
 from trio_sglang._protocol._openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, Route
 from trio_sglang._request._fields import GENERATE_FIELDS, OWN_FIELDS, REFUSED_FIELDS, SGLANG_FIELDS
@@ -274,7 +274,7 @@ def test_generate_fields_are_checked_as_sglangs_contract_checks_them(
 ) -> None:
     sglang = generate_contract_error({"text": "hi", key: value}) is not None
     try:
-        parse_request({"text": "hi", key: value}, "native")
+        parse_request({"text": "hi", key: value}, "native", EngineFeatures())
     except InvalidRequest:
         ours = True
     else:

@@ -23,8 +23,8 @@ import trio.testing
 import trio_sglang as ts
 from trio_sglang._core._capabilities import SCHEMA_VERSION, build_capabilities
 from trio_sglang._core._drain import Drain
-from trio_sglang._core._ids import RID_LENGTH, mint_rid
 from trio_sglang._core._outputs import PublicIds, format_chunk
+from trio_sglang._request._ids import RID_LENGTH, mint_rid
 
 # -- AbortPolicy -------------------------------------------------------------------
 

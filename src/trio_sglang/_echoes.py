@@ -2,7 +2,7 @@
 
 One table per engine (``HearsScheduler``). The engine's abort path adds an
 id, its output path tells the table every output of an id in it, and the
-lifecycle reads and forgets each (``_core/_confirm.py``). Most ids are read
+lifecycle reads and forgets each (``_core/_cleanup.py``). Most ids are read
 and forgotten within a scheduler step or two; one nobody comes for (its
 request's cleanup was cut, or the abort came from elsewhere than the
 lifecycle) is dropped once the table holds ``limit`` ids, oldest first, so

@@ -15,7 +15,7 @@ real ``TokenizerManager`` and the ``SimEngine`` fit it without pretending:
 An optional capability the lifecycle uses where an engine has it:
 ``HearsScheduler``, an engine that tells what its scheduler sent for an id
 after an abort, and can send the abort again past SGLang's once-only flag
-(a scheduler can miss an abort and decode on: ``_core/_confirm.py``).
+(a scheduler can miss an abort and decode on: ``_core/_cleanup.py``).
 
 Beside them, two optional capabilities the lifecycle never uses: ``ChatTemplating``,
 an engine that renders chat messages with its model's chat template (the

@@ -16,29 +16,48 @@ requests it has at that moment and keeps no record of the others, so an
 early abort is lost, and SGLang sends only the first abort of a request, so
 every later one is dropped too. For the same reason, once the release path
 has sent a request's abort, no second one is sent while the first is on its
-way (behind a long prefill forward, say). Where the engine hears its
-scheduler, every abort that left is then listened to until the scheduler
-takes it, and sent again past that rule if the scheduler decodes on
-(``_confirm.py``).
+way (behind a long prefill forward, say).
+
+An abort that left is not yet an abort taken. SGLang's scheduler can miss
+one (SGLang issue #36876: it marks only the requests it finds in its running
+or last batch, and one moving between batches decodes on), and nothing the
+engine's own ``abort`` does reaches that request again: from 0.5.20 the
+TokenizerManager sends only the first abort of a request, and 0.5.18 and
+0.5.19 have already forgotten it on close. So where the engine hears its
+scheduler (``HearsScheduler``), the cleanup listens after the abort
+(``Cleanup._confirm``):
+
+- the id's final output (its abort finish, or its natural end): taken;
+- no output for ``release_timeout`` once the engine holds the id no more:
+  the scheduler has gone quiet on it (while the engine holds it, a quiet
+  scheduler is one busy with a long forward, and the cleanup listens on,
+  within the request's cleanup deadline);
+- more than ``outputs_after_abort`` outputs since the abort (what was in flight
+  when it arrived): missed, and sent again, straight to the scheduler, at most
+  ``abort_attempts`` aborts in all.
+
+A request that the scheduler let go after an abort sent again is reported
+once as ``abort_missed``; one still decoding after every abort, as
+``abort_outlived``. The first abort always comes from the engine's own path
+(its release on close, or the ordered abort after dispatch), so an abort sent
+again never reaches the scheduler before its request.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVarTuple
 
 import trio
 
-from .._engine import Engine, EngineStream, HearsScheduler, RequestPhase, SchedulerEcho
+from .._engine import EngineStream, RequestPhase, SchedulerEcho
 from .._errors import EngineShutdown
-from ._confirm import confirm_abort
 from ._outputs import PublicIds
-from ._policy import AbortPolicy
-from ._reports import EngineFault, Reports
+from ._reports import EngineFault
 from ._shared import Shared
 
-__all__ = ["Cleanup", "Stoppable", "held", "ordered_abort", "released", "scheduler_done"]
+__all__ = ["Cleanup", "Stoppable"]
 
 logger = logging.getLogger("trio_sglang")
 
@@ -114,7 +133,7 @@ class Cleanup:
             # One summary at worker exit, not a line per request in a burst.
             reports.cut_at_close += 1
             logger.debug("cleanup of request %s cancelled at shutdown", self._request.ids.request)
-        still = held(self._shared.engine, self._request.unfinished())
+        still = self._shared.held(self._request.unfinished())
         reports.cleanup_finished(trio.current_time() - self.left_at, released=not still)
         if self.timed_out and not cut:
             reports.fault(
@@ -196,156 +215,169 @@ class Cleanup:
             await self._confirm(rid, echo)  # the scheduler's own word
             return
         with trio.move_on_after(self._shared.policy.release_timeout):
-            await released(self._shared.engine, rid)
+            await self._shared.released(rid)
             return
         if rid in self.abort_sent:
             # Its abort is on its way (behind a forward in progress, say): a
             # second one would be dropped. Wait on, within the cleanup's deadline.
-            await released(self._shared.engine, rid)
+            await self._shared.released(rid)
             return
         await self.ordered_abort(rid)
 
     async def ordered_abort(self, rid: str) -> None:
-        """The ordered abort of ``rid`` (``ordered_abort`` below), once per id of the request."""
+        """Abort ``rid`` right after its dispatch (never before), bounded, retried; once per id.
+
+        Whatever goes wrong is reported once: the first failure if a retry
+        then took, the last one if none did. Where the engine hears its
+        scheduler, an abort that left is then listened to (``_confirm``).
+        """
         if rid in self.abort_started:
             return
         self.abort_started |= {rid}
-        shared = self._shared
-        await ordered_abort(
-            shared.engine,
-            shared.policy,
-            shared.reports,
-            self._request.ids.request,
-            rid,
-            shared.hears,
-        )
-        if (echo := shared.hears.echo(rid)) is not None:
+        await self._abort_after_dispatch(rid)
+        if (echo := self._shared.hears.echo(rid)) is not None:
             await self._confirm(rid, echo)
 
-    async def _confirm(self, rid: str, echo: SchedulerEcho) -> None:
-        """What the scheduler says after the abort (``_confirm.py``)."""
-        shared = self._shared
-        phase = shared.engine.phase
-
-        def still_held() -> bool:
-            return phase(rid) is not RequestPhase.ABSENT
-
-        try:
-            await confirm_abort(
-                shared.hears,
-                shared.policy,
-                shared.reports,
-                self._request.ids.request,
-                rid,
-                echo,
-                still_held,
-            )
-        finally:
-            shared.hears.forget_echo(rid)
-
-
-def held(engine: Engine, rids: Iterable[str]) -> list[str]:
-    """Those of ``rids`` that the engine still holds."""
-    phase = engine.phase
-    return [rid for rid in rids if phase(rid) is not RequestPhase.ABSENT]
-
-
-def scheduler_done(hears: HearsScheduler, rids: Iterable[str]) -> bool:
-    """Whether the scheduler finished every one of ``rids`` it was sent an abort for.
-
-    Their echoes are forgotten then; one still open needs a cleanup task to listen to it.
-    """
-    echoes = [(rid, echo) for rid in rids if (echo := hears.echo(rid)) is not None]
-    if not all(echo.finished for _, echo in echoes):
-        return False
-    for rid, _ in echoes:
-        hears.forget_echo(rid)
-    return True
-
-
-async def released(engine: Engine, rid: str) -> None:
-    """Return once the engine holds ``rid`` no more (unbounded: callers bound it)."""
-    phase = engine.phase(rid)
-    while phase is not RequestPhase.ABSENT:
-        phase = await engine.wait_phase_change(rid, phase)
-
-
-async def ordered_abort(
-    engine: Engine,
-    policy: AbortPolicy,
-    reports: Reports,
-    public_id: str,
-    rid: str,
-    hears: HearsScheduler,
-) -> None:
-    """Abort ``rid`` right after its dispatch (never before), bounded, retried.
-
-    Whatever goes wrong is reported once: the first failure if a retry then
-    took, the last one if none did. Where the engine hears its scheduler
-    (``hears`` has its echo), an abort that left is the caller's to confirm
-    (``_confirm.py``).
-    """
-    phase = engine.phase(rid)
-    if phase is RequestPhase.REGISTERED:
-        with trio.move_on_after(policy.dispatch_timeout):
-            phase = await engine.wait_phase_change(rid, phase)
+    async def _abort_after_dispatch(self, rid: str) -> None:
+        engine, policy = self._shared.engine, self._shared.policy
+        phase = engine.phase(rid)
         if phase is RequestPhase.REGISTERED:
-            reports.fault(
-                "dispatch_timeout",
-                public_id,
-                [rid],
-                f"still undispatched after {policy.dispatch_timeout}s; not aborted, "
-                "since an abort before dispatch is lost",
+            with trio.move_on_after(policy.dispatch_timeout):
+                phase = await engine.wait_phase_change(rid, phase)
+            if phase is RequestPhase.REGISTERED:
+                self._fault(
+                    "dispatch_timeout",
+                    rid,
+                    f"still undispatched after {policy.dispatch_timeout}s; not aborted, "
+                    "since an abort before dispatch is lost",
+                )
+                return
+        failures: list[tuple[EngineFault, BaseException | None]] = []
+        for attempt in range(1, policy.abort_attempts + 1):
+            if phase is RequestPhase.ABSENT:
+                break
+            failure = await self._attempt(rid)
+            if failure is None:
+                break
+            failures.append(failure)
+            if attempt < policy.abort_attempts:
+                await trio.sleep(policy.abort_retry_delay)
+            phase = engine.phase(rid)
+        if failures:
+            self._report_failures(rid, failures)
+
+    def _report_failures(
+        self, rid: str, failures: list[tuple[EngineFault, BaseException | None]]
+    ) -> None:
+        if self._shared.engine.phase(rid) is RequestPhase.ABSENT:
+            kind, error = failures[0]
+            first = f" (the first: {error!r})" if error is not None else ""
+            self._fault(
+                kind,
+                rid,
+                f"the engine let go of it after {len(failures)} failed abort attempt(s){first}",
+                level=logging.WARNING,
             )
             return
-    failures: list[tuple[EngineFault, BaseException | None]] = []
-    for attempt in range(1, policy.abort_attempts + 1):
-        if phase is RequestPhase.ABSENT:
-            break
-        failure = await _attempt_abort(engine, policy, rid, hears)
-        if failure is None:
-            break
-        failures.append(failure)
-        if attempt < policy.abort_attempts:
-            await trio.sleep(policy.abort_retry_delay)
-        phase = engine.phase(rid)
-    if not failures:
-        return
-    if engine.phase(rid) is RequestPhase.ABSENT:
-        kind, error = failures[0]
-        first = f" (the first: {error!r})" if error is not None else ""
-        reports.fault(
+        kind, error = failures[-1]
+        self._fault(
             kind,
-            public_id,
-            [rid],
-            f"the engine let go of it after {len(failures)} failed abort attempt(s){first}",
-            level=logging.WARNING,
+            rid,
+            f"the engine still holds it after {self._shared.policy.abort_attempts} abort attempts",
+            error=error,
         )
-        return
-    kind, error = failures[-1]
-    reports.fault(
-        kind,
-        public_id,
-        [rid],
-        f"the engine still holds it after {policy.abort_attempts} abort attempts",
-        error=error,
-    )
 
+    async def _attempt(self, rid: str) -> tuple[EngineFault, BaseException | None] | None:
+        """One abort, bounded, then the wait for it to take; what went wrong, or None."""
+        shared = self._shared
+        with trio.move_on_after(shared.policy.abort_timeout) as call:
+            try:
+                await shared.engine.abort(rid)
+            except Exception as exc:
+                return ("abort_error", exc)
+        if call.cancelled_caught:
+            return ("abort_timeout", None)
+        if shared.hears.echo(rid) is not None:
+            return None  # it left: the scheduler's answer is listened to next
+        with trio.move_on_after(shared.policy.release_timeout):
+            await shared.released(rid)
+            return None
+        return ("abort_not_taken", None)
 
-async def _attempt_abort(
-    engine: Engine, policy: AbortPolicy, rid: str, hears: HearsScheduler
-) -> tuple[EngineFault, BaseException | None] | None:
-    """One abort, bounded, then the wait for it to take; what went wrong, or None."""
-    with trio.move_on_after(policy.abort_timeout) as call:
+    async def _confirm(self, rid: str, echo: SchedulerEcho) -> None:
+        """Listen to the scheduler on ``rid`` after its abort; send it again while it decodes on.
+
+        Returns once the scheduler stopped, or once a fault (reported here)
+        says it did not; the echo is forgotten then.
+        """
         try:
-            await engine.abort(rid)
-        except Exception as exc:
-            return ("abort_error", exc)
-    if call.cancelled_caught:
-        return ("abort_timeout", None)
-    if hears.echo(rid) is not None:
-        return None  # it left: the scheduler's answer is listened to next
-    with trio.move_on_after(policy.release_timeout):
-        await released(engine, rid)
-        return None
-    return ("abort_not_taken", None)
+            sent = await self._abort_until_taken(rid, echo)
+        finally:
+            self._shared.hears.forget_echo(rid)
+        if sent > 1:
+            self._fault(
+                "abort_missed",
+                rid,
+                f"the scheduler decoded it on after its abort; it stopped after {sent} aborts "
+                f"({echo.outputs} outputs since the first)",
+                level=logging.WARNING,
+            )
+
+    async def _abort_until_taken(self, rid: str, echo: SchedulerEcho) -> int:
+        """How many aborts the scheduler needed; 0 where it outlived them, or one failed."""
+        policy = self._shared.policy
+        sent = 1
+        since = 0  # outputs heard when the last abort went out
+        while await self._missed(rid, echo, since):
+            if sent == policy.abort_attempts:
+                self._fault(
+                    "abort_outlived",
+                    rid,
+                    f"the scheduler decodes it on after {sent} aborts "
+                    f"({echo.outputs} outputs since the first)",
+                )
+                return 0
+            with trio.move_on_after(policy.abort_timeout) as call:
+                try:
+                    await self._shared.hears.abort_again(rid)
+                except Exception as exc:
+                    self._fault("abort_error", rid, "sending it again raised", error=exc)
+                    return 0
+            if call.cancelled_caught:
+                self._fault(
+                    "abort_timeout", rid, f"sending it again took over {policy.abort_timeout}s"
+                )
+                return 0
+            sent += 1
+            since = echo.outputs
+        return sent
+
+    async def _missed(self, rid: str, echo: SchedulerEcho, since: int) -> bool:
+        """Whether the scheduler went on past the outputs in flight after an abort.
+
+        False once it finished the id, or has been quiet on an id the engine
+        no longer holds for ``release_timeout``.
+        """
+        policy = self._shared.policy
+        while not echo.finished:
+            if echo.outputs - since > policy.outputs_after_abort:
+                return True
+            with trio.move_on_after(policy.release_timeout) as quiet:
+                await echo.changed()
+            if quiet.cancelled_caught and self._shared.engine.phase(rid) is RequestPhase.ABSENT:
+                return False
+        return False
+
+    def _fault(
+        self,
+        kind: EngineFault,
+        rid: str,
+        message: str,
+        *,
+        level: int = logging.ERROR,
+        error: BaseException | None = None,
+    ) -> None:
+        """One fault of one of the request's ids."""
+        self._shared.reports.fault(
+            kind, self._request.ids.request, [rid], message, level=level, error=error
+        )

@@ -32,8 +32,6 @@ from typing import Any, Protocol
 import trio
 
 from .._engine import Role
-from .._errors import InvalidRequest
-from .._request._parse import ParsedRequest
 from ._reports import Reports
 
 __all__ = [
@@ -43,7 +41,6 @@ __all__ = [
     "PrefillLeg",
     "PrefillPeer",
     "Role",
-    "needs_prefill_leg",
     "new_bootstrap",
     "peer_cancels_anytime",
 ]
@@ -57,8 +54,6 @@ CANCEL_ANYTIME = "disagg_prefill_cancel_anytime_v1"
 #: Longer than a peer's own bound (``HTTPPrefill``'s is 5 s), so that the
 #: peer's own, more precise error is the one a user sees.
 PEER_CHECK_TIMEOUT = 30.0
-
-_BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 class PrefillFailed(Exception):
@@ -108,30 +103,6 @@ async def peer_cancels_anytime(peer: PrefillPeer) -> bool:
     )
 
 
-def needs_prefill_leg(role: Role, parsed: ParsedRequest, peer: PrefillPeer | None) -> bool:
-    """Check a request against the worker's role; whether it runs a prefill leg at ``peer``.
-
-    False when the request runs on this worker's engine alone.
-    """
-    given = [name for name in _BOOTSTRAP_FIELDS if parsed.body.get(name) is not None]
-    if given or role == "prefill":
-        _check_bootstrap(parsed, role)
-        return False
-    if role == "aggregated":
-        return False
-    if peer is None:
-        raise InvalidRequest(
-            "a decode worker without a prefill peer needs the request's bootstrap_host, "
-            "bootstrap_port and bootstrap_room (from the router that ran its prefill)"
-        )
-    if not parsed.single_sample:
-        raise InvalidRequest(
-            "a disaggregated request must be one prompt with n = 1 "
-            "(the worker pairs its two legs by one bootstrap room)"
-        )
-    return True
-
-
 def new_bootstrap(peer: PrefillPeer) -> dict[str, Any]:
     """The bootstrap fields of a new prefill leg at ``peer``: a fresh room for each request."""
     return {
@@ -140,50 +111,6 @@ def new_bootstrap(peer: PrefillPeer) -> dict[str, Any]:
         # Random 63 bits, as SGLang's router picks them.
         "bootstrap_room": secrets.randbits(63),
     }
-
-
-def _is_room(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
-
-
-def _is_port(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
-
-
-#: Each bootstrap field: how to tell a good value, and what it must be.
-_BOOTSTRAP_CHECKS = {
-    "bootstrap_room": (_is_room, "an int in [0, 2**63)"),
-    "bootstrap_host": (lambda value: isinstance(value, str), "a string"),
-    "bootstrap_port": (_is_port, "an int in [1, 65535]"),
-}
-
-
-def _check_bootstrap(parsed: ParsedRequest, role: Role) -> None:
-    """The bootstrap fields as SGLang reads them: one value, or a list with one per prompt."""
-    for name, (valid, what) in _BOOTSTRAP_CHECKS.items():
-        value = parsed.body.get(name)
-        if value is None:
-            continue
-        per_prompt = isinstance(value, list) and parsed.batch_size is not None
-        values = value if per_prompt else [value]
-        if per_prompt and len(values) != parsed.batch_size:
-            raise InvalidRequest(f"{name} must have one value per prompt of a native batch")
-        for one in values:
-            if not valid(one):
-                who = (
-                    f"a {role} worker needs {name}," if role != "aggregated" else f"{name} must be"
-                )
-                raise InvalidRequest(f"{who} {what}, got {type(one).__name__}")
-    if role != "aggregated" and parsed.body.get("bootstrap_room") is None:
-        raise InvalidRequest(
-            f"a {role} worker needs bootstrap_room, {_BOOTSTRAP_CHECKS['bootstrap_room'][1]}"
-        )
-    if role == "decode" and parsed.body.get("bootstrap_host") is None:
-        # SGLang's decode side fails the handshake at once without it.
-        raise InvalidRequest(
-            "a decode worker needs bootstrap_host with bootstrap_room: where the prefill "
-            "side's bootstrap server is"
-        )
 
 
 class PrefillLeg:

@@ -48,7 +48,7 @@ import trio
 from .._engine import EngineStream
 from .._errors import EngineError, EngineShutdown
 from .._request._parse import OutputMode
-from ._cleanup import Cleanup, held, scheduler_done
+from ._cleanup import Cleanup
 from ._disagg import PrefillLeg
 from ._outputs import PublicIds, format_chunk
 from ._reports import describe
@@ -293,8 +293,8 @@ class Lifecycle:
         abort_sent = _NO_IDS
         if pull_cancelled:
             rids = self.unfinished()
-            still = held(self._shared.engine, rids)
-            if not still and scheduler_done(self._shared.hears, rids):
+            still = self._shared.held(rids)
+            if not still and self._shared.scheduler_done(rids):
                 self._shared.reports.cleanup_finished(0.0, released=True)
                 self._fire(_STOPPED)
                 return

@@ -38,7 +38,7 @@ class AbortPolicy:
     abort_attempts: int = 3
     #: Outputs of an aborted id the scheduler may still send (what was in
     #: flight when the abort arrived) before the abort counts as missed and is
-    #: sent again (engines that hear their scheduler: ``_confirm.py``).
+    #: sent again (engines that hear their scheduler: ``Cleanup._confirm``).
     outputs_after_abort: int = 2
     #: Pause between abort attempts.
     abort_retry_delay: float = 0.005

@@ -1,21 +1,23 @@
 """What every request of one worker shares: ``Shared``, made once by the worker.
 
 A request's ``Lifecycle`` and its ``Cleanup`` read the engine, the policy and
-the cleanup's owner from here rather than holding a copy each.
+the cleanup's owner from here rather than holding a copy each, and ask the
+engine about their ids through it: whether it still holds them, and whether
+its scheduler finished them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .._engine import Engine, EngineFeatures, HearsScheduler
+from .._engine import Engine, EngineFeatures, HearsScheduler, RequestPhase, SchedulerEcho
 from ._cleanup_group import CleanupGroup
-from ._confirm import DEAF
 from ._policy import AbortPolicy
 from ._reports import Reports
 
-__all__ = ["Shared", "shared_by_worker"]
+__all__ = ["DEAF", "Shared", "shared_by_worker"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +36,49 @@ class Shared:
     release_aborts_once: bool
     #: ``policy.stall_timeout``, or ``None`` where it bounds nothing.
     stall_timeout: float | None
-    #: The engine, if it hears its scheduler.
+    #: The engine, if it hears its scheduler; ``DEAF`` otherwise.
     hears: HearsScheduler
+
+    def held(self, rids: Iterable[str]) -> list[str]:
+        """Those of ``rids`` that the engine still holds."""
+        phase = self.engine.phase
+        return [rid for rid in rids if phase(rid) is not RequestPhase.ABSENT]
+
+    async def released(self, rid: str) -> None:
+        """Return once the engine holds ``rid`` no more (unbounded: callers bound it)."""
+        phase = self.engine.phase(rid)
+        while phase is not RequestPhase.ABSENT:
+            phase = await self.engine.wait_phase_change(rid, phase)
+
+    def scheduler_done(self, rids: Iterable[str]) -> bool:
+        """Whether the scheduler finished every one of ``rids`` it was sent an abort for.
+
+        Their echoes are forgotten then; one still open needs a cleanup task to listen to it.
+        """
+        hears = self.hears
+        echoes = [(rid, echo) for rid in rids if (echo := hears.echo(rid)) is not None]
+        if not all(echo.finished for _, echo in echoes):
+            return False
+        for rid, _ in echoes:
+            hears.forget_echo(rid)
+        return True
+
+
+class _Deaf:
+    """An engine that does not hear its scheduler, as the lifecycle sees it: no echo, ever."""
+
+    def echo(self, rid: str) -> SchedulerEcho | None:
+        return None
+
+    def forget_echo(self, rid: str) -> None:
+        return None
+
+    async def abort_again(self, rid: str) -> None:
+        raise RuntimeError("there is no echo to confirm: nothing is sent again")
+
+
+#: What the lifecycle listens to where the engine does not hear its scheduler.
+DEAF: HearsScheduler = _Deaf()
 
 
 def shared_by_worker(

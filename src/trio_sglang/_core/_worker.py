@@ -38,20 +38,12 @@ import trio
 
 from .._engine import Engine, EngineFeatures, Role
 from .._errors import EngineError, EngineShutdown, InvalidRequest
-from .._request._fields import check_honoured
 from .._request._parse import OutputMode, ParsedRequest, parse_request
 from ._capabilities import build_capabilities
 from ._cleanup_group import CleanupGroup, open_cleanup_group
 from ._context import RequestContext, attach, detach
-from ._disagg import (
-    PrefillLeg,
-    PrefillPeer,
-    needs_prefill_leg,
-    new_bootstrap,
-    peer_cancels_anytime,
-)
+from ._disagg import PrefillLeg, PrefillPeer, new_bootstrap, peer_cancels_anytime
 from ._drain import Drain
-from ._ids import mint_rid
 from ._lifecycle import Lifecycle
 from ._outputs import PublicIds
 from ._policy import AbortPolicy
@@ -260,18 +252,28 @@ class Worker:
         self, request: Mapping[str, Any], output: OutputMode, names: Mapping[str, str]
     ) -> tuple[ParsedRequest, bool]:
         """The request parsed and checked for this worker; whether it runs a prefill leg."""
-        parsed = parse_request(request, output)
-        check_honoured(parsed.body, self._features, names)
-        if (
-            parsed.batch_size is not None
-            and parsed.n > 1
-            and not self._features.batch_parallel_sampling
-        ):
+        parsed = parse_request(request, output, self._features, names)
+        return parsed, self._runs_prefill_leg(parsed)
+
+    def _runs_prefill_leg(self, parsed: ParsedRequest) -> bool:
+        """Whether the worker runs the request's prefill leg at its peer (``_disagg.py``).
+
+        A decode worker does, for a request that comes without its bootstrap
+        (no router ran its prefill).
+        """
+        if self.role != "decode" or parsed.bootstrapped:
+            return False
+        if self._prefill is None:
             raise InvalidRequest(
-                "this engine cannot run parallel sampling (n > 1) on a native batch; "
-                "send one prompt per request"
+                "a decode worker without a prefill peer needs the request's bootstrap_host, "
+                "bootstrap_port and bootstrap_room (from the router that ran its prefill)"
             )
-        return parsed, needs_prefill_leg(self.role, parsed, self._prefill)
+        if not parsed.single_sample:
+            raise InvalidRequest(
+                "a disaggregated request must be one prompt with n = 1 "
+                "(the worker pairs its two legs by one bootstrap room)"
+            )
+        return True
 
     def generate(
         self,
@@ -312,9 +314,7 @@ class Worker:
             bootstrap = new_bootstrap(self._prefill)
         if self._open_blocks.closed:
             raise EngineShutdown("the worker is shutting down")
-        # One minted rid, or one per prompt for a batch: all 32 hex digits,
-        # so none is a prefix of another (SGLang aborts by prefix).
-        rids = tuple(mint_rid() for _ in range(parsed.rid_count))
+        rids = parsed.mint_rids()
         ids = PublicIds.for_request(parsed, ctx.id)
         life = Lifecycle(
             self._engine.generate({**parsed.engine_request(rids), **(bootstrap or {})}),

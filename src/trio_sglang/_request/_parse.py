@@ -16,8 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
+from .._engine import EngineFeatures
 from .._errors import InvalidRequest
-from ._fields import GENERATE_FIELDS, OWN_FIELDS, REFUSED_FIELDS, check_field
+from ._bootstrap import BOOTSTRAP_FIELDS, check_bootstrap
+from ._fields import GENERATE_FIELDS, OWN_FIELDS, REFUSED_FIELDS, check_field, check_honoured
+from ._ids import mint_rid
 from ._sampling import check_sampling_params
 from ._values import is_token_list, is_unicode, shown
 
@@ -62,12 +65,17 @@ class ParsedRequest:
         return self.n == 1
 
     @property
-    def rid_count(self) -> int:
-        """How many rids the worker mints: one per prompt of a native batch, else one.
+    def bootstrapped(self) -> bool:
+        """Whether it names its disaggregation bootstrap (a router ran its prefill)."""
+        return any(self.body.get(name) is not None for name in BOOTSTRAP_FIELDS)
+
+    def mint_rids(self) -> tuple[str, ...]:
+        """Fresh engine rids: one per prompt of a native batch, else one.
 
         With ``n > 1`` SGLang replaces child rids anyway, so one suffices.
         """
-        return self.batch_size if self.batch_size is not None and self.n == 1 else 1
+        count = self.batch_size if self.batch_size is not None and self.n == 1 else 1
+        return tuple(mint_rid() for _ in range(count))
 
     def engine_request(self, rids: tuple[str, ...]) -> dict[str, Any]:
         """The body for the engine: one minted rid, or one per prompt for a batch."""
@@ -78,7 +86,18 @@ class ParsedRequest:
         return {**self.body, "rid": rid, "stream": True}
 
 
-def parse_request(request: object, output: object) -> ParsedRequest:
+def parse_request(
+    request: object,
+    output: object,
+    features: EngineFeatures,
+    names: Mapping[str, str] | None = None,
+) -> ParsedRequest:
+    """``request`` checked as SGLang checks it, and against what ``features`` say the engine does.
+
+    ``names`` maps a native field (``sampling_params.min_new_tokens``) to the
+    caller's name for it (``min_tokens``): a refusal of a field names it in
+    the caller's words.
+    """
     if output not in _OUTPUT_MODES:
         raise InvalidRequest(f"output must be one of {_OUTPUT_MODES}, got {output!r}")
     if not isinstance(request, Mapping):
@@ -103,13 +122,30 @@ def parse_request(request: object, output: object) -> ParsedRequest:
 
     body = {k: v for k, v in request.items() if k not in ("rid", "stream")}
     body["sampling_params"] = sampling
-    return ParsedRequest(
+    parsed = ParsedRequest(
         body=body,
         caller_rid=caller_rid,
         batch_size=batch_size,
         n=n,
         output=cast(OutputMode, output),
     )
+    _check_for_engine(parsed, features, names or {})
+    return parsed
+
+
+def _check_for_engine(
+    parsed: ParsedRequest, features: EngineFeatures, names: Mapping[str, str]
+) -> None:
+    """What this engine cannot run: a field it does not honour, ``n > 1`` on a batch, a
+    bootstrap its role cannot use."""
+    check_honoured(parsed.body, features, names)
+    if parsed.batch_size is not None and parsed.n > 1 and not features.batch_parallel_sampling:
+        raise InvalidRequest(
+            "this engine cannot run parallel sampling (n > 1) on a native batch; "
+            "send one prompt per request"
+        )
+    if parsed.bootstrapped or features.role == "prefill":
+        check_bootstrap(parsed.body, parsed.batch_size, features.role)
 
 
 def _check_prompt(request: Mapping[str, Any]) -> int | None:
