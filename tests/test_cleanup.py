@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import trio
@@ -16,7 +16,7 @@ import trio_sglang as ts
 from conftest import HELLO, LONG, Recorder, fault_records, read, slow_sim
 from trio_sglang._core._cleanup import Cleanup
 from trio_sglang._core._cleanup_group import CleanupGroup, open_cleanup_group
-from trio_sglang._core._lifecycle import Event, Lifecycle, State
+from trio_sglang._core._lifecycle import Event, ResponseStream, State
 from trio_sglang._core._outputs import PublicIds
 from trio_sglang._core._reports import Reports
 from trio_sglang._core._shared import shared_by_worker
@@ -115,14 +115,21 @@ def lifecycle(
     group: CleanupGroup,
     rids: tuple[str, ...] = ("rid-1",),
     observer: Recorder | None = None,
-) -> Lifecycle:
-    """One request of ``engine``, as a worker runs it."""
+) -> ResponseStream:
+    """One request of ``engine``, as a worker runs it once its block is entered."""
     features = engine.features()
-    shared = shared_by_worker(engine, features, ts.AbortPolicy(), group, Reports(observer))  # type: ignore[arg-type]
-    return Lifecycle(SlowAbortStream(engine), PublicIds("pub"), rids, "tokens", shared)
+    reports = Reports(observer)
+    shared = shared_by_worker(engine, features, ts.AbortPolicy(), group, reports, unchecked)  # type: ignore[arg-type]
+    request = ResponseStream(shared, {}, ts.RequestContext("pub"), "tokens")
+    request._start(SlowAbortStream(engine), PublicIds("pub"), rids)
+    return request
 
 
-def cleanup_of(life: Lifecycle) -> Cleanup:
+def unchecked(request: object, output: object) -> NoReturn:
+    raise AssertionError("a request built by hand is never checked")
+
+
+def cleanup_of(life: ResponseStream) -> Cleanup:
     """The cleanup ``life`` would make if its caller left now, the engine still holding it."""
     return life._cleanup(frozenset())
 
@@ -130,18 +137,18 @@ def cleanup_of(life: Lifecycle) -> Cleanup:
 @asynccontextmanager
 async def slow_abort_request(
     engine: SlowAbortEngine, observer: Recorder | None = None
-) -> AsyncIterator[Lifecycle]:
+) -> AsyncIterator[ResponseStream]:
     """One request of ``engine``; leaving waits for its cleanup."""
     async with open_cleanup_group() as group:
         yield lifecycle(engine, group, observer=observer)
         await group.wait_idle()
 
 
-async def cancelled_pull(life: Lifecycle) -> None:
+async def cancelled_pull(life: ResponseStream) -> None:
     """The caller's first pull, parked in the engine stream, cancelled there at once."""
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(life.pull)
+            nursery.start_soon(life.__anext__)
             await trio.testing.wait_all_tasks_blocked()
             scope.cancel()
 

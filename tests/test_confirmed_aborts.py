@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import trio
@@ -22,6 +22,7 @@ import trio_sglang as ts
 from conftest import SLOW_KNOBS, Recorder, read, slow_sim
 from trio_sglang._core._cleanup import Cleanup
 from trio_sglang._core._cleanup_group import open_cleanup_group
+from trio_sglang._core._drain import Drain
 from trio_sglang._core._outputs import PublicIds
 from trio_sglang._core._reports import Reports
 from trio_sglang._core._shared import DEAF, Shared
@@ -279,6 +280,10 @@ class Request:
         return None
 
 
+def unchecked(request: object, output: object) -> NoReturn:
+    raise AssertionError("no request is opened here")
+
+
 async def confirm_abort(
     ears: Ears,
     echo: SchedulerEcho,
@@ -291,7 +296,20 @@ async def confirm_abort(
     async with open_cleanup_group() as group:
         policy = policy or ts.AbortPolicy()
         reports = Reports(recorder)
-        shared = Shared(Registry(held), policy, group, reports, True, True, None, ears)  # type: ignore[arg-type]
+        shared = Shared(
+            engine=Registry(held),  # type: ignore[arg-type]
+            policy=policy,
+            group=group,
+            reports=reports,
+            release_on_close=True,
+            release_aborts_once=True,
+            stall_timeout=None,
+            hears=ears,
+            check=unchecked,
+            blocks=Drain(),
+            prefill=None,
+            prefill_cancel_anytime=False,
+        )
         await Cleanup(shared, Request(), frozenset())._confirm("rid-1", echo)
 
 

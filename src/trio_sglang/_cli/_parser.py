@@ -13,6 +13,7 @@ from .._limits import API_KEY_ENV, ServerLimits
 from .._sglang._server_args import add_sglang_options, sglang_installed, wants_sglang
 from .._version import __version__
 from ..bench_endpoint._options import add_options as add_bench_endpoint_options
+from ..dynamo._worker_options import add_options as add_dynamo_worker_options
 from ..sim import SimDisaggTiming
 from ._engines import EngineOptions
 from ._field_options import FieldOptions, port_number, positive_int, seconds
@@ -169,40 +170,13 @@ def _add_dynamo_worker(
         "a client leaving cancels (the dynamo extra)",
         formatter_class=_HelpFormatter,
     )
-    worker.add_argument("--model-name", required=True, help="the model's name at Dynamo's frontend")
-    worker.add_argument("--namespace", default="dynamo", help="the endpoint's Dynamo namespace")
-    worker.add_argument("--component", default="backend", help="the endpoint's component")
-    worker.add_argument("--endpoint", default="generate", help="the endpoint's name")
+    add_dynamo_worker_options(worker)
     _add_engine_option(worker)
-    worker.add_argument(
-        "--model-input",
-        choices=["tokens", "text"],
-        default="tokens",
-        help="what the frontend sends: tokens (Dynamo's ModelInput.Tokens: the frontend "
-        "tokenizes with the model's tokenizer and chat template, and its KV router works) or "
-        "text (ModelInput.Text: the worker gets the client's OpenAI request, renders chat with "
-        "the engine's own template and tokenizes; no tokenizer at the frontend)",
-    )
-    worker.add_argument(
-        "--model-path",
-        help="the model's folder: with --model-input tokens the frontend tokenizes with its "
-        "tokenizer and chat template (default: the SimEngine's own tiny tokenizer; --engine "
-        "sglang needs one)",
-    )
     _add_loop_option(
         worker,
         "how trio shares the thread with the runtime's (and SGLang's) asyncio code: guest "
         "(trio as the guest of uvloop, which runs it at full speed) or trio-asyncio (trio "
         "as the host; the asyncio extra) (default: guest)",
-    )
-    worker.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address of the --metrics-port server"
-    )
-    worker.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve GET /metrics (the trio_sglang_* metrics of serve) on this port; 0 picks "
-        "a free one (default: none)",
     )
     _add_shutdown_options(
         worker,

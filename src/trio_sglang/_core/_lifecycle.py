@@ -1,10 +1,16 @@
-"""One request's life, from its first pull to its last cleanup task: ``Lifecycle``.
+"""One request's life, from its block's start to its last cleanup task: ``ResponseStream``.
 
-Everything that moves a request's ``State`` lives in this file, and the
-moves are data (``_NEXT``), as in h11's ``_state.py``: an event the table
-does not list for a state is a bug in this file, raised at once, never
-absorbed. The caller's ``ResponseStream`` is a thin view over a
-``Lifecycle``, as trio's memory channels are over their shared state.
+The caller's stream is the request: one object from ``Worker.generate`` to
+the last task of its cleanup. Everything that moves a request's ``State``
+lives in this file, and the moves are data (``_NEXT``), as in h11's
+``_state.py``: an event the table does not list for a state is a bug in
+this file, raised at once, never absorbed.
+
+The block (``async with worker.generate(...)``) is the request's cancel
+scope: entering it checks the request (``InvalidRequest`` before anything
+reaches the engine), mints its engine rids and binds the scope to the
+caller's ``RequestContext``, so that ``ctx.stop()``/``ctx.kill()`` and the
+worker's shutdown cancel it; leaving it, however, makes the request leave.
 
 Two tasks move the state. The caller's task pulls, and leaves however it
 leaves (cancelled, failed, closed, its block ended). A request whose
@@ -40,21 +46,23 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
+from types import TracebackType
 from typing import Any
 
 import trio
 
 from .._engine import EngineStream
-from .._errors import EngineError, EngineShutdown
+from .._errors import EngineError, EngineShutdown, InvalidRequest
 from .._request._parse import OutputMode
 from ._cleanup import Cleanup
-from ._disagg import PrefillLeg
+from ._context import RequestContext, attach, detach
+from ._disagg import PrefillLeg, new_bootstrap
 from ._outputs import PublicIds, format_chunk
 from ._reports import describe
 from ._shared import Shared
 
-__all__ = ["Lifecycle", "State"]
+__all__ = ["Event", "ResponseStream", "State"]
 
 logger = logging.getLogger("trio_sglang")
 
@@ -66,7 +74,7 @@ class State(enum.Enum):
     # own hash is Python code).
     __hash__ = object.__hash__
 
-    #: Made: nothing pulled, nothing at the engine.
+    #: Made, its block perhaps entered: nothing pulled, nothing at the engine.
     NEW = "new"
     #: The caller reads it (itself, or through the reader).
     OPEN = "open"
@@ -118,17 +126,22 @@ _NEXT: dict[tuple[State, Event], State] = {
 }
 
 
-class Lifecycle:
-    """One request, as the worker runs it; see the module's docstring."""
+class ResponseStream:
+    """The caller's stream: ``async with worker.generate(...) as chunks``, then ``async for``.
+
+    Chunk dicts, with public ids only; see the module's docstring.
+    """
 
     __slots__ = (
         "_children_unknown",
+        "_ctx",
         "_error",
         "_has_reader",
         "_output",
         "_pull_scope",
         "_reading",
         "_receive",
+        "_request",
         "_send",
         "_shared",
         "children",
@@ -143,46 +156,128 @@ class Lifecycle:
     )
 
     def __init__(
-        self,
-        stream: EngineStream,
-        ids: PublicIds,
-        rids: tuple[str, ...],
-        output: OutputMode,
-        shared: Shared,
+        self, shared: Shared, request: object, ctx: RequestContext, output: OutputMode
     ) -> None:
-        """``rids``: the engine ids known before the request starts, or none for parallel
-        sampling, whose children SGLang names only in their first outputs."""
+        """``request``: a body, or what ``Worker.prepare`` made of one; checked on entering."""
         self._shared = shared
-
+        self._request: object = request
+        self._ctx = ctx
+        self._output: OutputMode = output
         self.state = _NEW
         #: Whether the caller is inside a pull (another task's ``aclose`` must cancel it).
         self.pulling = False
-        #: The caller's block: ``ctx.stop()``, the shutdown and a failed prefill cancel it.
-        self.scope = trio.CancelScope()
-        self.stream = stream
-        self.ids = ids
-        self._output: OutputMode = output
-        #: Engine ids known before the request started (one, or one per prompt).
-        self.rids = rids
-        #: Engine ids first seen in outputs (``n > 1``), mapped to "finished".
-        self.children: dict[str, bool] = {}
-        #: A decode request's prefill leg, under ``scope``: the worker's to set, before the
-        #: first pull.
+        #: A decode request's prefill leg, under ``scope``.
         self.leg: PrefillLeg | None = None
-
         #: The engine side's stopping, from the caller's leaving (or the engine's
         #: failure under the reader) to its last task; none while nothing is owed.
         self.cleanup: Cleanup | None = None
 
+    # -- the block ------------------------------------------------------------
+
+    async def __aenter__(self) -> ResponseStream:
+        if hasattr(self, "stream"):
+            raise RuntimeError("a generate() block is entered once")
+        self._open()
+        self.scope.__enter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        try:
+            swallowed = self.scope.__exit__(exc_type, exc, traceback)
+        finally:
+            self._close_block()
+        if exc is not None and not swallowed:
+            return False  # the body's own error goes on
+        error = self._block_error()
+        if error is not None:
+            raise error from error.__cause__  # the prefill's failure, or nothing
+        return swallowed
+
+    def _open(self) -> None:
+        """The block's start: the request checked, sent to the engine, bound to its context."""
+        shared = self._shared
+        parsed, prefill_leg = shared.check(self._request, self._output)
+        ctx = self._ctx
+        if not isinstance(ctx, RequestContext):
+            raise InvalidRequest(f"ctx must be a RequestContext, got {type(ctx).__name__}")
+        bootstrap: Mapping[str, Any] = {}
+        if prefill_leg:
+            assert shared.prefill is not None  # a prefill leg needs the worker's peer
+            bootstrap = new_bootstrap(shared.prefill)
+        if shared.blocks.closed:
+            raise EngineShutdown("the worker is shutting down")
+        rids = parsed.mint_rids()
+        self._request = None  # the body is the engine's now
+        self._start(
+            shared.engine.generate({**parsed.engine_request(rids), **bootstrap}),
+            PublicIds.for_request(parsed, ctx.id),
+            rids if parsed.stable_ids else (),
+        )
+        if prefill_leg:
+            assert shared.prefill is not None
+            self.leg = PrefillLeg(
+                shared.prefill,
+                {**parsed.body, **bootstrap},
+                self.ids.request,
+                rids,
+                self.scope,
+                shared.reports,
+                cancel_anytime=shared.prefill_cancel_anytime,
+                cleanup_timeout=shared.policy.cleanup_timeout,
+            )
+        shared.blocks.add(self.scope)
+        attach(ctx, self.scope)
+
+    def _start(self, stream: EngineStream, ids: PublicIds, rids: tuple[str, ...]) -> None:
+        """The request at the engine: ``rids`` are the engine ids known before it starts, or
+        none for parallel sampling, whose children SGLang names only in their first outputs."""
+        #: The caller's block: ``ctx.stop()``, the shutdown and a failed prefill cancel it.
+        self.scope = trio.CancelScope()
+        self.stream = stream
+        self.ids = ids
+        #: Engine ids known before the request started (one, or one per prompt).
+        self.rids = rids
+        #: Engine ids first seen in outputs (``n > 1``), mapped to "finished".
+        self.children: dict[str, bool] = {}
         self._children_unknown = not rids
         self._reading = False
         self._error: Exception | None = None
-        self._has_reader = self._children_unknown or not shared.release_on_close
+        self._has_reader = self._children_unknown or not self._shared.release_on_close
         if self._has_reader:
             self._send, self._receive = trio.open_memory_channel[dict[str, Any]](0)
             # Unbounded while the caller reads; from its leaving, bounded by
             # the watch in ``leave`` and the request's cleanup deadline.
             self._pull_scope = trio.CancelScope()
+
+    def _close_block(self) -> None:
+        """The block's end, however it ends: the stream closed, both legs stopped."""
+        detach(self._ctx, self.scope)
+        self.end_block()
+        self._shared.blocks.discard(self.scope)
+
+    def _block_error(self) -> Exception | None:
+        """What leaving a block that ended without an error of its own raises, if anything."""
+        failure = self.prefill_error
+        if failure is not None:
+            error = EngineError(
+                f"the prefill of {self.ids.request} failed ({type(failure).__name__})"
+            )
+            error.__cause__ = failure
+            return error
+        if self._shared.blocks.closed and self.scope.cancelled_caught:
+            return EngineShutdown("the worker shut down while the stream was open")
+        return None
+
+    def _entered(self) -> None:
+        if not hasattr(self, "stream"):
+            raise RuntimeError(
+                "a stream is read inside its block: async with worker.generate(...) as chunks"
+            )
 
     def _fire(self, event: Event) -> None:
         try:
@@ -193,21 +288,43 @@ class Lifecycle:
     # -- the caller's side ----------------------------------------------------
 
     @property
+    def id(self) -> str:
+        """The request's public id (text chunks carry it)."""
+        self._entered()
+        return self.ids.request
+
+    @property
     def closed(self) -> bool:
         """Whether the caller's stream is over: finished, or left."""
+        self._entered()
         return self.state is not _OPEN and self.state is not _NEW
+
+    def __aiter__(self) -> ResponseStream:
+        return self
+
+    async def aclose(self) -> None:
+        """End the stream now; the engine-side cleanup goes on in the worker."""
+        self._entered()
+        if self.pulling:
+            # Another task is inside a pull: ending the block is the only way
+            # to stop it at once (the pull itself then leaves).
+            self.scope.cancel()
+        else:
+            self.leave()
+        await trio.lowlevel.checkpoint()
 
     @property
     def prefill_error(self) -> Exception | None:
         """Why the request's prefill leg failed while the request was open, if it did."""
         return None if self.leg is None else self.leg.error
 
-    async def pull(self) -> dict[str, Any]:
+    async def __anext__(self) -> dict[str, Any]:
         """The caller's next chunk; ``StopAsyncIteration`` at the end."""
         state = self.state
         if state is not _OPEN:
             if state is not _NEW:
                 raise StopAsyncIteration
+            self._entered()
             # A stream whose context was stopped before its first pull must
             # not touch the engine at all.
             await trio.lowlevel.checkpoint_if_cancelled()

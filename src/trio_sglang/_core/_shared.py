@@ -1,21 +1,31 @@
 """What every request of one worker shares: ``Shared``, made once by the worker.
 
-A request's ``Lifecycle`` and its ``Cleanup`` read the engine, the policy and
-the cleanup's owner from here rather than holding a copy each, and ask the
-engine about their ids through it: whether it still holds them, and whether
-its scheduler finished them.
+A request's ``ResponseStream`` and its ``Cleanup`` read the engine, the
+policy, the worker's checks and the owners of their tasks from here rather
+than holding a copy each (or their worker: the stream is the worker's to
+make, not the other way round), and ask the engine about their ids through
+it: whether it still holds them, and whether its scheduler finished them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import trio
+
 from .._engine import Engine, EngineFeatures, HearsScheduler, RequestPhase, SchedulerEcho
+from .._request._parse import OutputMode, ParsedRequest
 from ._cleanup_group import CleanupGroup
+from ._disagg import PrefillPeer
+from ._drain import Drain
 from ._policy import AbortPolicy
 from ._reports import Reports
+
+#: How the worker checks a request (a body, or what ``Worker.prepare`` made of one) for
+#: an output: the request to run, and whether its prefill leg runs at the worker's peer.
+Check = Callable[[object, OutputMode], tuple[ParsedRequest, bool]]
 
 __all__ = ["DEAF", "Shared", "shared_by_worker"]
 
@@ -38,6 +48,14 @@ class Shared:
     stall_timeout: float | None
     #: The engine, if it hears its scheduler; ``DEAF`` otherwise.
     hears: HearsScheduler
+    #: ``InvalidRequest`` for what the worker cannot run (``Worker._check``).
+    check: Check
+    #: The cancel scopes of the open ``generate`` blocks; closed by the shutdown.
+    blocks: Drain[trio.CancelScope]
+    #: Where a decode worker runs its requests' prefill legs, if anywhere.
+    prefill: PrefillPeer | None
+    #: Whether a cancel stops a prefill leg at ``prefill`` in any queue.
+    prefill_cancel_anytime: bool
 
     def held(self, rids: Iterable[str]) -> list[str]:
         """Those of ``rids`` that the engine still holds."""
@@ -87,6 +105,9 @@ def shared_by_worker(
     policy: AbortPolicy,
     group: CleanupGroup,
     reports: Reports,
+    check: Check,
+    prefill: PrefillPeer | None = None,
+    prefill_cancel_anytime: bool = False,
 ) -> Shared:
     """What a worker's requests share, from its engine, the engine's features and its policy."""
     return Shared(
@@ -98,4 +119,8 @@ def shared_by_worker(
         features.release_on_close and features.abort_sent_flag,
         None if policy.stall_timeout == math.inf else policy.stall_timeout,
         engine if isinstance(engine, HearsScheduler) else DEAF,
+        check,
+        Drain(),
+        prefill,
+        prefill_cancel_anytime,
     )
