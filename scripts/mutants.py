@@ -43,10 +43,9 @@ from mutmut.utils.format_utils import orig_function_and_class_names_from_key
 #: abort, its confirmation and the cleanup's owner), not constructors, nor the
 #: request's way in (``generate``).
 QUICK = (
-    "trio_sglang._core._lifecycle.xǁLifecycleǁ[!_]*",
-    "trio_sglang._core._lifecycle.xǁLifecycleǁ_[!_]*",
-    "trio_sglang._core._worker.xǁResponseStreamǁ[!_]*",
-    "trio_sglang._core._worker.xǁResponseStreamǁ__a*",
+    "trio_sglang._core._lifecycle.xǁResponseStreamǁ[!_]*",
+    "trio_sglang._core._lifecycle.xǁResponseStreamǁ_[!_]*",
+    "trio_sglang._core._lifecycle.xǁResponseStreamǁ__a*",
     "trio_sglang._core._worker.xǁWorkerǁ_[!_]*",
     "trio_sglang._core._worker.xǁWorkerǁend_grace*",
     "trio_sglang._core._cleanup.*",

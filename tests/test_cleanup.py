@@ -119,7 +119,16 @@ def lifecycle(
     """One request of ``engine``, as a worker runs it once its block is entered."""
     features = engine.features()
     reports = Reports(observer)
-    shared = shared_by_worker(engine, features, ts.AbortPolicy(), group, reports, unchecked)  # type: ignore[arg-type]
+    shared = shared_by_worker(
+        engine,  # type: ignore[arg-type]
+        features,
+        ts.AbortPolicy(),
+        group,
+        reports,
+        unchecked,
+        None,
+        False,
+    )
     request = ResponseStream(shared, {}, ts.RequestContext("pub"), "tokens")
     request._start(SlowAbortStream(engine), PublicIds("pub"), rids)
     return request

@@ -274,7 +274,7 @@ def test_generate_fields_are_checked_as_sglangs_contract_checks_them(
 ) -> None:
     sglang = generate_contract_error({"text": "hi", key: value}) is not None
     try:
-        parse_request({"text": "hi", key: value}, "native", EngineFeatures())
+        parse_request({"text": "hi", key: value}, "native", EngineFeatures(), {})
     except InvalidRequest:
         ours = True
     else:

@@ -412,6 +412,7 @@ async def test_worker_capabilities_on_sim_engine(autojump_clock: trio.testing.Mo
     engine = ts.SimEngine()
     async with ts.open_worker(engine) as worker:
         caps = worker.capabilities()
+        assert worker.engine is engine
     assert caps == build_capabilities(engine.features())
     assert caps["engine"] == {
         "kind": "sim",

@@ -311,20 +311,11 @@ class Cleanup:
         says it did not; the echo is forgotten then.
         """
         try:
-            sent = await self._abort_until_taken(rid, echo)
+            await self._abort_until_taken(rid, echo)
         finally:
             self._shared.hears.forget_echo(rid)
-        if sent > 1:
-            self._fault(
-                "abort_missed",
-                rid,
-                f"the scheduler decoded it on after its abort; it stopped after {sent} aborts "
-                f"({echo.outputs} outputs since the first)",
-                level=logging.WARNING,
-            )
 
-    async def _abort_until_taken(self, rid: str, echo: SchedulerEcho) -> int:
-        """How many aborts the scheduler needed; 0 where it outlived them, or one failed."""
+    async def _abort_until_taken(self, rid: str, echo: SchedulerEcho) -> None:
         policy = self._shared.policy
         sent = 1
         since = 0  # outputs heard when the last abort went out
@@ -336,21 +327,28 @@ class Cleanup:
                     f"the scheduler decodes it on after {sent} aborts "
                     f"({echo.outputs} outputs since the first)",
                 )
-                return 0
+                return
             with trio.move_on_after(policy.abort_timeout) as call:
                 try:
                     await self._shared.hears.abort_again(rid)
                 except Exception as exc:
                     self._fault("abort_error", rid, "sending it again raised", error=exc)
-                    return 0
+                    return
             if call.cancelled_caught:
                 self._fault(
                     "abort_timeout", rid, f"sending it again took over {policy.abort_timeout}s"
                 )
-                return 0
+                return
             sent += 1
             since = echo.outputs
-        return sent
+        if sent > 1:
+            self._fault(
+                "abort_missed",
+                rid,
+                f"the scheduler decoded it on after its abort; it stopped after {sent} aborts "
+                f"({echo.outputs} outputs since the first)",
+                level=logging.WARNING,
+            )
 
     async def _missed(self, rid: str, echo: SchedulerEcho, since: int) -> bool:
         """Whether the scheduler went on past the outputs in flight after an abort.

@@ -160,7 +160,7 @@ class ResponseStream:
     ) -> None:
         """``request``: a body, or what ``Worker.prepare`` made of one; checked on entering."""
         self._shared = shared
-        self._request: object = request
+        self._request = request
         self._ctx = ctx
         self._output: OutputMode = output
         self.state = _NEW
@@ -212,7 +212,6 @@ class ResponseStream:
         if shared.blocks.closed:
             raise EngineShutdown("the worker is shutting down")
         rids = parsed.mint_rids()
-        self._request = None  # the body is the engine's now
         self._start(
             shared.engine.generate({**parsed.engine_request(rids), **bootstrap}),
             PublicIds.for_request(parsed, ctx.id),

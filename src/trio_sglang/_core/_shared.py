@@ -106,8 +106,8 @@ def shared_by_worker(
     group: CleanupGroup,
     reports: Reports,
     check: Check,
-    prefill: PrefillPeer | None = None,
-    prefill_cancel_anytime: bool = False,
+    prefill: PrefillPeer | None,
+    prefill_cancel_anytime: bool,
 ) -> Shared:
     """What a worker's requests share, from its engine, the engine's features and its policy."""
     return Shared(

@@ -90,7 +90,7 @@ def parse_request(
     request: object,
     output: object,
     features: EngineFeatures,
-    names: Mapping[str, str] | None = None,
+    names: Mapping[str, str],
 ) -> ParsedRequest:
     """``request`` checked as SGLang checks it, and against what ``features`` say the engine does.
 
@@ -129,7 +129,7 @@ def parse_request(
         n=n,
         output=cast(OutputMode, output),
     )
-    _check_for_engine(parsed, features, names or {})
+    _check_for_engine(parsed, features, names)
     return parsed
 
 
