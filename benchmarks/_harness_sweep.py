@@ -34,6 +34,7 @@ import trio
 
 from _harness_sim import observe_poll_then_abort
 from _stats import percentiles
+from _units import ms
 from _verdict import MachineState
 from trio_sglang_harness import Caller, CancelPhase, Observation, Scenario, open_sglang_harness
 
@@ -236,7 +237,7 @@ def check_model(rows: list[dict[str, Any]], machine: MachineState) -> list[dict[
         sim_ms, real_ms = model["abort_delay_ms"]["p50"], real["abort_delay_ms"]["p50"]
         unjudged = []
         if not _delays_agree(sim_ms, real_ms):
-            delay = f"abort delay p50 {_ms(sim_ms)} vs {_ms(real_ms)} ms"
+            delay = f"abort delay p50 {ms(sim_ms)} vs {ms(real_ms)} ms"
             if machine.quiet or None in (sim_ms, real_ms):
                 differ.append(delay)
             else:
@@ -251,10 +252,6 @@ def _delays_agree(model: float | None, real: float | None) -> bool:
     if model is None or real is None:  # never stopped
         return model is real
     return abs(model - real) <= max(DELAY_NOISE_MS, DELAY_NOISE_SHARE * real)
-
-
-def _ms(value: float | None) -> str:
-    return "never" if value is None else f"{value:.2f}"
 
 
 def format_harness(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:

@@ -22,10 +22,11 @@ import trio
 from _load_clients import LoadShape, Tally, run_clients
 from _load_config import Config
 from _load_metrics import Scrape
-from _load_report import LoadReport, mib
+from _load_report import LoadReport
 from _load_rss import RssTrace
 from _load_server import ServerProcess, open_server
 from _output import Progress
+from _units import mib
 
 __all__ = ["Beside", "Phase", "Run", "progress_steps", "run_server"]
 

@@ -54,7 +54,8 @@ from _dynamo_local import Deployment
 from _output import write_json
 from _stats import percentile, percentiles
 from _subprocesses import Process, free_port
-from _verdict import Target, fmt_ms, judge_machine
+from _units import ms
+from _verdict import Target, judge_machine
 
 HERE = Path(__file__).resolve().parent
 #: The SimEngine's defaults: 50 tokens a second a stream, as a busy GPU decodes.
@@ -276,7 +277,7 @@ def targets(runs: dict[str, WorkerRun]) -> list[Target]:
         Target(
             "disconnect -> nothing live, p99, sequential",
             f"<= {SEQUENTIAL_P99_MS:g} ms",
-            fmt_ms(seq),
+            ms(seq),
             None if seq is None else seq <= SEQUENTIAL_P99_MS,
             "time",
         ),
@@ -311,9 +312,9 @@ def table(runs: dict[str, WorkerRun]) -> str:
         seq, bur = _summary(run.sequential_ms), _summary(run.burst_ms)
         cpu = "n/a" if run.cpu_us_per_token is None else f"{run.cpu_us_per_token:.0f} µs"
         rows.append(
-            f"| {run.name} | {fmt_ms(seq['p50'])} / {fmt_ms(seq['p99'])} / {fmt_ms(seq['max'])} "
-            f"| {fmt_ms(bur['p50'])} / {fmt_ms(bur['p99'])} / {fmt_ms(bur['max'])} | {cpu} "
-            f"| {run.lost} / {run.leaked} | {fmt_ms(percentile(run.probe_ms, 0.5))} |"
+            f"| {run.name} | {ms(seq['p50'])} / {ms(seq['p99'])} / {ms(seq['max'])} "
+            f"| {ms(bur['p50'])} / {ms(bur['p99'])} / {ms(bur['max'])} | {cpu} "
+            f"| {run.lost} / {run.leaked} | {ms(percentile(run.probe_ms, 0.5))} |"
         )
     return "\n".join([head, *rows])
 

@@ -36,6 +36,7 @@ from _dynamo_local import Deployment
 from _output import table, write_json
 from _serve_processes import start_router, start_workers
 from _subprocesses import free_port
+from _units import ratio, times
 from trio_sglang.bench_endpoint._departures import ALL_PHASES
 from trio_sglang.bench_endpoint._report import Report, load, percentile
 
@@ -144,10 +145,6 @@ def _p50_p99(values: list[float]) -> str:
     return "-" if p50 is None or p99 is None else f"{p50:.1f} / {p99:.1f}"
 
 
-def _ratio(value: float | None, base: float | None) -> str:
-    return "-" if value is None or not base else f"{value / base:.2f}x"
-
-
 def format_reports(reports: dict[str, Report]) -> str:
     """Two tables within ``WIDTH``: every leave against the direct worker's, then each way."""
     base = releases(reports["direct"])
@@ -164,8 +161,8 @@ def format_reports(reports: dict[str, Report]) -> str:
                 _p50_p99(every),
                 f"{every[-1]:.1f}" if every else "-",
                 f"{leaked} / {failed}",
-                _ratio(percentile(every, 0.5), base_p50),
-                _ratio(percentile(every, 0.99), base_p99),
+                times(ratio(percentile(every, 0.5), base_p50)),
+                times(ratio(percentile(every, 0.99), base_p99)),
             )
         )
         ways.append((name, *(_p50_p99(releases(report, leave)) for leave in LEAVES)))
