@@ -23,10 +23,12 @@ from typing import Any
 from _load_bad_peer import BadPeers
 from _load_config import EdgeConfig
 from _load_hostile import Holds, HostileTally
-from _load_report import LoadReport, cores, mib, ms, pairs, seconds, zero
+from _load_report import LoadReport, pairs, zero
 from _load_run import Run
 from _output import table, wrap
+from _report_base import BenchReport
 from _stats import percentiles
+from _units import cores, mib, ms_of_s, ratio, seconds, times
 from _verdict import QUIET_LOAD_PER_CORE, MachineState, Target, judge_machine
 
 __all__ = ["ITL_RATIO_TARGET", "EdgeReport"]
@@ -35,12 +37,8 @@ __all__ = ["ITL_RATIO_TARGET", "EdgeReport"]
 ITL_RATIO_TARGET = 1.5
 
 
-def _ratio(edge: float | None, baseline: float | None) -> float | None:
-    return None if edge is None or not baseline else edge / baseline
-
-
 @dataclass(slots=True)
-class EdgeReport:
+class EdgeReport(BenchReport):
     run: Run
     edge: EdgeConfig
     hostile: HostileTally
@@ -61,6 +59,9 @@ class EdgeReport:
             *self.peers.checks(),
             *self.loaded.process_checks(),
         ]
+
+    def targets(self) -> list[Target]:
+        return self.checks
 
     @property
     def passed(self) -> bool:
@@ -95,17 +96,17 @@ class EdgeReport:
 
     def itl_ratio(self) -> float | None:
         baseline, edge = self._itl_p99()
-        return _ratio(edge, baseline)
+        return ratio(edge, baseline)
 
     def itl_target(self) -> Target:
-        ratio = self.itl_ratio()
+        found = self.itl_ratio()
         baseline, edge = self._itl_p99()
         measured = (
             "no tokens timed"
-            if ratio is None
-            else f"{ratio:.2f}x ({ms(edge)} against {ms(baseline)})"
+            if found is None
+            else f"{times(found)} ({ms_of_s(edge)} against {ms_of_s(baseline)})"
         )
-        met = None if ratio is None else ratio <= ITL_RATIO_TARGET
+        met = None if found is None else found <= ITL_RATIO_TARGET
         what = "normal clients' p99 ITL with the hostile share over without"
         target = Target(what, f"<= {ITL_RATIO_TARGET:g}x", measured, met, "time")
         return target.judged_on(self.machine)
@@ -234,7 +235,7 @@ class EdgeReport:
 
     # -- what a person reads ---------------------------------------------------------
 
-    def format(self) -> str:
+    def lines(self) -> list[str]:
         c, edge = self.run.config, self.edge
         title = (
             f"Edge: {c.clients:,} normal clients for {c.duration:g} s, "
@@ -244,7 +245,7 @@ class EdgeReport:
             f"{edge.flooders:,} flooders, {edge.pipeliners:,} pipeliners, {edge.resetters:,} "
             f"resetters, {edge.fanout:,} fan-out clients and {edge.bad_peers:,} bad peers (edge)"
         )
-        lines = [
+        return [
             *wrap(title),
             f"server: trio-sglang serve {' '.join([*c.serve_args(), *edge.serve_args()])}",
             "",
@@ -254,14 +255,8 @@ class EdgeReport:
             "",
             *wrap(f"runtime: {self.run.runtime_s:.1f} s; {self._machine_line()}", hang=2),
             "",
-            "checks:",
-            *(check.line() for check in self.checks),
-            "",
-            f"verdict: {'PASS' if self.passed else 'FAIL'}",
+            *self.verdict_lines("checks:", self.run.log_notable),
         ]
-        if self.run.log_notable:
-            lines[-1:-1] = ["server log, last notable lines:", *self.run.log_notable[-10:], ""]
-        return "\n".join(lines)
 
     def _table(self) -> list[str]:
         """The normal clients and the server, one column per phase, and their ratio."""
@@ -274,9 +269,8 @@ class EdgeReport:
         for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
             for q in ("p50", "p99"):
                 base, edge = (report.latency()[key][q] for report in phases)
-                ratio = _ratio(edge, base)
-                shown = "" if ratio is None else f"{ratio:.2f}x"
-                rows.append([f"{name} {q}", ms(base), ms(edge), shown])
+                shown = times(ratio(edge, base), none="")
+                rows.append([f"{name} {q}", ms_of_s(base), ms_of_s(edge), shown])
         rows += [
             ["RSS start / peak / end", *map(_rss, phases), ""],
             ["server CPU", *(cores(report.server()["cpu_cores"]) for report in phases), ""],
@@ -316,7 +310,7 @@ class EdgeReport:
     def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
         return {
             "passed": self.passed,
-            "checks": [check.to_json() for check in self.checks],
+            "checks": self.targets_json(),
             "itl_p99_ratio": self.itl_ratio(),
             "baseline": self.baseline.to_json(machine),
             "edge": self.loaded.to_json(machine),

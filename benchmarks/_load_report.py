@@ -16,12 +16,14 @@ from _load_clients import ENDPOINTS, LEFT, Outcome, Tally
 from _load_config import Config
 from _load_metrics import Scrape, bucket_delta, histogram_quantile
 from _load_rss import RssTrace
+from _report_base import BenchReport
 from _stats import Stats, percentiles
+from _units import cores, mib, ms_of_s, seconds
 from _verdict import Target
 
-__all__ = ["LoadReport", "cores", "exit_check", "mib", "ms", "pairs", "seconds", "zero"]
+# ``seconds``: _load_bad_peer.py reads it from here.
+__all__ = ["LoadReport", "exit_check", "pairs", "seconds", "zero"]
 
-_MIB = float(2**20)
 _ABORT_DELAY = "trio_sglang_abort_delay_seconds"
 _QUANTILE_METHOD = (
     f"server histogram {_ABORT_DELAY} (from the worker seeing the client's stream end to "
@@ -41,16 +43,8 @@ _COLUMNS: tuple[tuple[str, Outcome | None], ...] = (
 )
 
 
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1e3 * seconds:.2f} ms"
-
-
-def mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / _MIB:.1f} MiB"
-
-
 @dataclass(slots=True)
-class LoadReport:
+class LoadReport(BenchReport):
     config: Config
     tally: Tally
     warmup: Tally
@@ -78,9 +72,8 @@ class LoadReport:
     def __post_init__(self) -> None:
         self.checks = [*self.phase_checks(), *self.process_checks()]
 
-    @property
-    def passed(self) -> bool:
-        return all(check.met for check in self.checks)
+    def targets(self) -> list[Target]:
+        return self.checks
 
     # -- derived figures ---------------------------------------------------------
 
@@ -180,7 +173,7 @@ class LoadReport:
 
     # -- what a person reads ---------------------------------------------------------
 
-    def format(self) -> str:
+    def lines(self) -> list[str]:
         c, tally, server = self.config, self.tally, self.server()
         delay, latency = self.abort_delay(), self.latency()
         rss = server["rss_bytes"]
@@ -213,28 +206,24 @@ class LoadReport:
             f"CPU during the load: server {cores(server['cpu_cores'])}, clients "
             f"{cores(self.client_cpu_s / self.load_s)}; machine load average "
             f"{self.load_average[0]:.2f} before, {self.load_average[1]:.2f} after",
-            f"disconnect-to-abort over {delay['cleanups']:,} cleanups: p50 {ms(delay['p50_s'])}, "
-            f"p99 {ms(delay['p99_s'])} (the server's histogram, interpolated inside buckets)",
-            f"at the clients: TTFT p50 {ms(latency['ttft_s']['p50'])}, p99 "
-            f"{ms(latency['ttft_s']['p99'])}; ITL p50 {ms(latency['itl_s']['p50'])}, p99 "
-            f"{ms(latency['itl_s']['p99'])} (the engine's token interval: "
-            f"{ms(c.token_interval)})",
+            f"disconnect-to-abort over {delay['cleanups']:,} cleanups: p50 "
+            f"{ms_of_s(delay['p50_s'])}, p99 {ms_of_s(delay['p99_s'])} (the server's histogram, "
+            "interpolated inside buckets)",
+            f"at the clients: TTFT p50 {ms_of_s(latency['ttft_s']['p50'])}, p99 "
+            f"{ms_of_s(latency['ttft_s']['p99'])}; ITL p50 {ms_of_s(latency['itl_s']['p50'])}, "
+            f"p99 {ms_of_s(latency['itl_s']['p99'])} (the engine's token interval: "
+            f"{ms_of_s(c.token_interval)})",
             f"runtime: {self.runtime_s:.1f} s (load {self.load_s:.1f} s)",
             "",
-            "invariants:",
-            *(check.line() for check in self.checks),
-            "",
-            f"verdict: {'PASS' if self.passed else 'FAIL'}",
+            *self.verdict_lines("invariants:", self.log_notable),
         ]
-        if self.log_notable:
-            lines[-1:-1] = ["server log, last notable lines:", *self.log_notable[-10:], ""]
-        return "\n".join(lines)
+        return lines
 
     def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
         tally = self.tally
         return {
             "passed": self.passed,
-            "checks": [check.to_json() for check in self.checks],
+            "checks": self.targets_json(),
             "clients": {
                 "requests": tally.count(),
                 "outcomes": {
@@ -261,14 +250,6 @@ class LoadReport:
             "config": self.config.to_json(),
             "machine": machine,
         }
-
-
-def cores(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f} cores"
-
-
-def seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
 
 
 def exit_check(server: str, status: int | None, stop_s: float, bound: float) -> Target:

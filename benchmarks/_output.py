@@ -2,10 +2,11 @@
 tables, the targets block, the machine a run ran on, and the files in its folder.
 
 Each benchmark's report (``_report.py``, ``_throughput_report.py``,
-``disagg_cancel.py``, the load reports, ...) says what it measured with these;
-none of them knows another's. Text on stdout fits in ``WIDTH`` columns. A run's
-folder (``results_folder``) holds its JSON and ``summary.md``, to which each
-benchmark adds its own section (``append_summary``).
+``disagg_cancel.py``, the load reports, ...) says what it measured with these,
+through the base they share (``_report_base.py``); none of them knows another's.
+Text on stdout fits in ``WIDTH`` columns. A run's folder (``results_folder``)
+holds its JSON and ``summary.md``, to which each benchmark adds its own section
+(``append_summary``).
 """
 
 from __future__ import annotations

@@ -18,19 +18,16 @@ from typing import Any
 
 from _metrics import CellResult
 from _output import markdown_table, table, target_lines, wrap
+from _report_base import BenchReport
 from _stats import percentiles
-from _verdict import MachineState, Target, fmt_ms, judge_machine
+from _units import count, ms, ratio
+from _verdict import MachineState, Target, judge_machine
 
-__all__ = [
-    "Report",
-    "format_report",
-    "summary_markdown",
-    "targets",
-]
+__all__ = ["Report", "summary_markdown", "targets"]
 
 
 @dataclass(slots=True)
-class Report:
+class Report(BenchReport):
     """Everything one run measured."""
 
     config: dict[str, Any]
@@ -59,7 +56,7 @@ class Report:
         stall = max((cell.stall_max_ms for cell in self.cells), default=0.0)
         return judge_machine(*self.load_average, self.cores, own, stall)
 
-    def judged_targets(self) -> list[Target]:
+    def targets(self) -> list[Target]:
         return targets(self, self.machine_state)
 
     def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
@@ -74,19 +71,50 @@ class Report:
             "worker_log": self.worker_log,
             "load_average": {"before": self.load_average[0], "after": self.load_average[1]},
             "machine_state": self.machine_state.to_json(),
-            "targets": [target.to_json() for target in self.judged_targets()],
+            "targets": self.targets_json(),
             "config": self.config,
             "machine": machine,
             "runtime_s": round(self.runtime_s, 1),
             "cpu_s": round(self.cpu_s, 1),
         }
 
+    def lines(self) -> list[str]:
+        """Ratios first, then the targets, then the details; no line wider than ``WIDTH``."""
+        top = headline_ratios(self.cells)
+        size = next((row["concurrency"] for row in top if row["phase"] != "at_once"), 0)
+        lines = [
+            "Cancel latency: trio-sglang against Dynamo's two strategies (SimEngine, real time)",
+            *wrap(legend(short=True)),
+            "",
+            *wrap(
+                f"p99 per phase at {size:,} streams, and the at-once burst: trio-sglang in ms, "
+                "each baseline as its p99 over trio-sglang's, measured in this run (3.0x: three "
+                "times longer; never: it left requests running)"
+            ),
+            "",
+            *_ratio_table(self.cells),
+            "",
+            "targets (counts judged always; times only on a quiet machine):",
+            *target_lines(self.targets()),
+            *wrap(self.machine_state.line()),
+            "",
+            *wrap(
+                "Every cell, in ms (p50/p99): 'close' = the caller's stream closed after the "
+                "cancel, 'abort' = the engine let go after max(cancel, dispatch), 'never' = still "
+                "held at the end; 'wasted' = tokens decoded after the cancel (p99); 'cpu us' per "
+                "cancel; 'off' = cancels that landed in another phase."
+            ),
+            "",
+            *_cells_table(self.results),
+        ]
+        if self.at_once:
+            lines += ["", "All streams cancelled in one instant:", ""]
+            lines += _cells_table(self.at_once)
+        lines += ["", *_overhead_lines(self)]
+        return lines
+
 
 # -- the nine targets ------------------------------------------------------------------
-
-
-def _count(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
 
 
 def _ours(cells: Iterable[CellResult]) -> list[CellResult]:
@@ -116,7 +144,7 @@ def _latency_target(what: str, limit: float, cells: Sequence[CellResult], sample
         return Target(what, target, "not run", None, "time")
     worst = _worst(chosen, samples)
     where = "" if size == 1000 else f" at {size:,} streams"
-    measured = f"{fmt_ms(worst)} ms{where} (worst phase)"
+    measured = f"{ms(worst)} ms{where} (worst phase)"
     return Target(what, target, measured, worst is not None and worst <= limit, "time")
 
 
@@ -154,7 +182,7 @@ def _wasted(cells: Sequence[CellResult]) -> Target:
         return Target(what, target, "not run", None, "count")
     worst = _worst(cells, "wasted_tokens")
     worst_max = _worst(cells, "wasted_tokens", "max")
-    measured = f"worst p99 {_count(worst)}, max {_count(worst_max)}"
+    measured = f"worst p99 {count(worst)}, max {count(worst_max)}"
     return Target(what, target, measured, worst is not None and worst <= 1, "count")
 
 
@@ -174,11 +202,11 @@ def _at_once(cells: Sequence[CellResult]) -> Target:
         return Target(what, target, "not run", None, "time")
     cell = plain[0]
     worst = cell.all_stopped_ms
-    measured = f"{cell.concurrency:,} stopped in {fmt_ms(worst)} ms"
+    measured = f"{cell.concurrency:,} stopped in {ms(worst)} ms"
     for key, floor_is in (("trio_floor_ms", "bare trio"), ("engine_floor_ms", "the engine alone")):
         floor = cell.extra.get(key)
         if floor and worst is not None:
-            measured += f"; {floor_is} {fmt_ms(floor)} ms ({worst / floor:.1f}x)"
+            measured += f"; {floor_is} {ms(floor)} ms ({worst / floor:.1f}x)"
     met = worst is not None and worst <= 500 and cell.concurrency >= 10_000
     return Target(what, target, measured, met, "time")
 
@@ -190,7 +218,7 @@ def _close_at_scale(cells: Sequence[CellResult]) -> Target:
     if not chosen:
         return Target(what, target, "not run (--full runs it)", None, "time")
     worst = _worst(chosen, "stream_close_ms")
-    measured = f"{fmt_ms(worst)} ms (worst phase)"
+    measured = f"{ms(worst)} ms (worst phase)"
     return Target(what, target, measured, worst is not None and worst <= 1.0, "time")
 
 
@@ -212,7 +240,7 @@ def _shutdown(shutdown: dict[str, Any] | None) -> Target:
     floor = float(shutdown["trio_floor_ms"])
     ratio = f"{over / floor:.1f}x; " if floor > 0 else ""
     measured = (
-        f"grace {1e3 * shutdown['grace_s']:.0f} ms + {over:.0f} ms; bare trio {fmt_ms(floor)} ms "
+        f"grace {1e3 * shutdown['grace_s']:.0f} ms + {over:.0f} ms; bare trio {ms(floor)} ms "
         f"({ratio}{shutdown['pending_cleanups']:,} pending, {shutdown['pending_tasks']:,} tasks)"
     )
     shaped = shutdown.get("trio_shaped_floor_ms")
@@ -220,7 +248,7 @@ def _shutdown(shutdown: dict[str, Any] | None) -> Target:
         shape = shutdown["worker_shape"]
         measured += (
             f"; trio alone at the worker's shape ({shape['frames']} frames, "
-            f"{shape['cancel_scopes']} cancel scopes a task) {fmt_ms(float(shaped))} ms"
+            f"{shape['cancel_scopes']} cancel scopes a task) {ms(float(shaped))} ms"
         )
     met = over <= 2 * floor and shutdown["pending_cleanups"] >= 1000
     return Target(what, target, measured, met, "time")
@@ -270,16 +298,10 @@ def ratios(cells: Sequence[CellResult]) -> list[dict[str, Any]]:
             theirs = {name: _p99(by_cell[phase, size, name], metric) for name in baselines}
             row[metric] = {
                 "p99": {OURS: mine, **theirs},
-                "ratio": {name: _ratio(value, mine) for name, value in theirs.items()},
+                "ratio": {name: ratio(value, mine) for name, value in theirs.items()},
             }
         found.append(row)
     return found
-
-
-def _ratio(theirs: float | None, ours: float | None) -> float | None:
-    if theirs is None or ours is None or ours <= 0:
-        return None
-    return theirs / ours
 
 
 def _ratio_text(theirs: float | None, ours: float | None) -> str:
@@ -288,9 +310,9 @@ def _ratio_text(theirs: float | None, ours: float | None) -> str:
     if ours is None:
         return "-"
     if ours <= 0:
-        return "both 0" if theirs <= 0 else f"{fmt_ms(theirs)} ms"
-    ratio = theirs / ours
-    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:,.0f}x"
+        return "both 0" if theirs <= 0 else f"{ms(theirs)} ms"
+    times = theirs / ours
+    return f"{times:.1f}x" if times < 10 else f"{times:,.0f}x"
 
 
 def headline_ratios(cells: Sequence[CellResult]) -> list[dict[str, Any]]:
@@ -312,7 +334,7 @@ def _ratio_rows(
             line[0] += f" x {row['concurrency']:,}"
         for metric in RATIO_METRICS:
             p99 = row[metric]["p99"]
-            line.append(f"{fmt_ms(p99[OURS])} ms")
+            line.append(f"{ms(p99[OURS])} ms")
             line += [_ratio_text(p99[name], p99[OURS]) if name in p99 else "-" for name in names]
         out.append(line)
     return out
@@ -343,7 +365,7 @@ def _ratio_table(cells: Sequence[CellResult], *, markdown: bool = False) -> list
 def _cell_row(cell: CellResult) -> list[str]:
     def pair(samples: list[float]) -> str:
         stats = percentiles(samples)
-        return f"{fmt_ms(stats['p50'])}/{fmt_ms(stats['p99'])}"
+        return f"{ms(stats['p50'])}/{ms(stats['p99'])}"
 
     wasted = percentiles(cell.wasted_tokens)["p99"]
     return [
@@ -354,7 +376,7 @@ def _cell_row(cell: CellResult) -> list[str]:
         pair(cell.abort_delay_ms),
         f"{cell.aborts_lost:,}",
         f"{cell.leaked:,}",
-        "-" if wasted is None else f"{wasted:g}",
+        count(wasted),
         f"{cell.cpu_us_per_cancel:.0f}",
         f"{cell.off_phase}",
     ]
@@ -380,42 +402,6 @@ def _cells_table(cells: Sequence[CellResult]) -> list[str]:
         rows.append(f"{phase}:")
         rows += [_cell_row(cell) for cell in cells if cell.phase == phase]
     return table(CELL_HEADER, rows, align="rlrrrrrrrr")
-
-
-def format_report(report: Report) -> str:
-    """Ratios first, then the targets, then the details; no line wider than ``WIDTH``."""
-    top = headline_ratios(report.cells)
-    size = next((row["concurrency"] for row in top if row["phase"] != "at_once"), 0)
-    lines = [
-        "Cancel latency: trio-sglang against Dynamo's two strategies (SimEngine, real time)",
-        *wrap(legend(short=True)),
-        "",
-        *wrap(
-            f"p99 per phase at {size:,} streams, and the at-once burst: trio-sglang in ms, each "
-            "baseline as its p99 over trio-sglang's, measured in this run (3.0x: three times "
-            "longer; never: it left requests running)"
-        ),
-        "",
-        *_ratio_table(report.cells),
-        "",
-        "targets (counts judged always; times only on a quiet machine):",
-        *target_lines(report.judged_targets()),
-        *wrap(report.machine_state.line()),
-        "",
-        *wrap(
-            "Every cell, in ms (p50/p99): 'close' = the caller's stream closed after the cancel, "
-            "'abort' = the engine let go after max(cancel, dispatch), 'never' = still held at "
-            "the end; 'wasted' = tokens decoded after the cancel (p99); 'cpu us' per cancel; "
-            "'off' = cancels that landed in another phase."
-        ),
-        "",
-        *_cells_table(report.results),
-    ]
-    if report.at_once:
-        lines += ["", "All streams cancelled in one instant:", ""]
-        lines += _cells_table(report.at_once)
-    lines += ["", *_overhead_lines(report)]
-    return "\n".join(lines)
 
 
 def _overhead_lines(report: Report) -> list[str]:
@@ -452,7 +438,7 @@ def _overhead_lines(report: Report) -> list[str]:
             f"shutdown: {s['shutdown_ms']:.0f} ms with {s['pending_cleanups']:,} pending cleanups "
             f"(grace {1e3 * s['grace_s']:.0f} ms, {s['over_grace_ms']:.0f} ms over it, "
             f"{s['gc_ms']:.0f} ms of the whole in garbage collection); bare trio cancelling "
-            f"{s['pending_tasks']:,} parked tasks right after: {fmt_ms(s['trio_floor_ms'])} ms "
+            f"{s['pending_tasks']:,} parked tasks right after: {ms(s['trio_floor_ms'])} ms "
             f"({s['trio_floor_gc_ms']:.0f} ms of it in garbage collection)"
         )
     return [line for text in texts for line in wrap(text)]
@@ -480,12 +466,6 @@ def summary_markdown(report: Report, machine: dict[str, Any], title: str) -> str
         "",
         "## Targets",
         "",
-        *markdown_table(
-            ["verdict", "what", "measured", "target"],
-            [
-                [target.verdict, target.what, target.measured, target.target]
-                for target in report.judged_targets()
-            ],
-        ),
+        *report.targets_markdown(),
     ]
     return "\n".join(lines) + "\n"

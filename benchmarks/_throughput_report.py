@@ -12,12 +12,14 @@ benchmark records no event-loop stalls, so its rule is the load average alone).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from _output import markdown_table, table, target_lines, wrap
+from _output import target_lines, wrap
+from _report_base import Column, SummaryReport, columns_table
 from _sse_client import Reading
+from _units import ratio, times, us
 from _verdict import MachineState, Target, judge_machine
 
 __all__ = ["SERVERS", "Cell", "Row", "ThroughputReport"]
@@ -154,12 +156,11 @@ class Row:
 
 def _ratio_of(side: Side, other: Side) -> float | None:
     """``side``'s CPU per chunk over ``other``'s (None if either read nothing)."""
-    ours, theirs = side.us_per_chunk, other.us_per_chunk
-    return None if ours is None or not theirs else ours / theirs
+    return ratio(side.us_per_chunk, other.us_per_chunk)
 
 
 @dataclass(slots=True)
-class ThroughputReport:
+class ThroughputReport(SummaryReport):
     config: dict[str, Any]
     cells: list[Cell] = field(default_factory=list)
     #: The 1-minute load average before and after the run.
@@ -258,9 +259,9 @@ class ThroughputReport:
 
     # -- text ---------------------------------------------------------------------
 
-    def format(self) -> str:
+    def lines(self) -> list[str]:
         machine = self.machine()
-        lines = [
+        return [
             *wrap(
                 f"trio-sglang serve against the floor (hypercorn's trio worker and a minimal "
                 f"ASGI app streaming the same bytes), measured in this run: "
@@ -273,24 +274,23 @@ class ThroughputReport:
                 "heartbeats; client: the client process's CPU per chunk, us."
             ),
             "",
-            *table(
-                [
-                    "streams",
-                    "interval",
-                    "chunks/s",
-                    "us/chunk",
-                    "tok/chunk",
-                    "beats/s",
-                    "chunks/s",
-                    "us/chunk",
-                    "serve/floor",
-                    "client",
-                ],
-                [_row_cells(row) for row in self.rows()],
-                groups=[("", 2), ("serve", 4), ("floor", 2), ("", 2)],
+            *columns_table(
+                _TEXT, self.rows(), groups=[("", 2), ("serve", 4), ("floor", 2), ("", 2)]
             ),
-            *self._sglang_lines(),
-            *self._hosted_lines(),
+            *self._beside(
+                "sglang",
+                f"SGLang {SGLANG_VERSION}'s own HTTP server in the same run: its FastAPI app "
+                "on uvicorn and its TokenizerManager, over the stand-in scheduler (whose "
+                "process, in a GPU scheduler's place, is not counted).",
+                _SGLANG_TEXT,
+            ),
+            *self._beside(
+                "hosted",
+                "serve hosting SGLang's application (serve --engine sglang's way: SGLang's "
+                "routes, trio-sglang's connection and lifecycle), over the same TokenizerManager "
+                "and stand-in scheduler:",
+                _HOSTED_TEXT,
+            ),
             "",
             "targets and checks:",
             *target_lines(self.targets()),
@@ -300,71 +300,20 @@ class ThroughputReport:
                 f"{self.load_average[1]:.2f} after; runtime {self.runtime_s:.1f} s"
             ),
         ]
-        return "\n".join(lines)
 
-    def _sglang_lines(self) -> list[str]:
-        rows = [row for row in self.rows() if row.sglang is not None]
-        if not rows:
-            return []
-        return [
-            "",
-            *wrap(
-                f"SGLang {SGLANG_VERSION}'s own HTTP server in the same run: its FastAPI app "
-                "on uvicorn and its TokenizerManager, over the stand-in scheduler (whose "
-                "process, in a GPU scheduler's place, is not counted)."
-            ),
-            "",
-            *table(
-                ["streams", "chunks/s", "us/chunk", "tok/chunk", "sglang/floor", "serve/sglang"],
-                [_sglang_cells(row) for row in rows],
-            ),
-        ]
-
-    def _hosted_lines(self) -> list[str]:
-        rows = [row for row in self.rows() if row.hosted is not None]
-        if not rows:
-            return []
-        return [
-            "",
-            *wrap(
-                "serve hosting SGLang's application (serve --engine sglang's way: SGLang's "
-                "routes, trio-sglang's connection and lifecycle), over the same TokenizerManager "
-                "and stand-in scheduler:"
-            ),
-            "",
-            *table(
-                ["streams", "chunks/s", "us/chunk", "tok/chunk", "beats/s", "hosted/sglang"],
-                [_hosted_cells(row) for row in rows],
-            ),
-        ]
+    def _beside(self, server: str, about: str, columns: Sequence[Column[Row]]) -> list[str]:
+        """The table of a server measured beside the two, if this run measured it."""
+        rows = [row for row in self.rows() if getattr(row, server) is not None]
+        return ["", *wrap(about), "", *columns_table(columns, rows)] if rows else []
 
     def markdown(self) -> str:
         """This benchmark's section of ``summary.md``."""
-        header = [
-            "streams",
-            "serve chunks/s",
-            "serve µs/chunk",
-            "floor chunks/s",
-            "floor µs/chunk",
-            "serve/floor",
+        rows = self.rows()
+        columns = [
+            *_MARKDOWN,
+            *(_SGLANG_MARKDOWN if any(row.sglang is not None for row in rows) else []),
+            *(_HOSTED_MARKDOWN if any(row.hosted is not None for row in rows) else []),
         ]
-        rows = [
-            [
-                f"{row.streams:,}",
-                f"{row.serve.chunks_per_s:,.0f}",
-                _us(row.serve.us_per_chunk),
-                f"{row.floor.chunks_per_s:,.0f}",
-                _us(row.floor.us_per_chunk),
-                _ratio(row.ratio),
-                *([] if row.sglang is None else _sglang_markdown(row, row.sglang)),
-                *([] if row.hosted is None else _hosted_markdown(row, row.hosted)),
-            ]
-            for row in self.rows()
-        ]
-        if any(row.sglang is not None for row in self.rows()):
-            header += ["SGLang µs/chunk", "SGLang/floor", "serve/SGLang"]
-        if any(row.hosted is not None for row in self.rows()):
-            header += ["hosted µs/chunk", "hosted/SGLang"]
         return "\n".join(
             [
                 "## Serving throughput",
@@ -372,7 +321,12 @@ class ThroughputReport:
                 f"`serve` against the floor, {self.config['endpoint']}, "
                 f"{self.config['rate']:,.0f} tokens/s offered; {self.machine().head}.",
                 "",
-                *markdown_table(header, rows),
+                *columns_table(
+                    # Markdown writes the µ a terminal might not have.
+                    [(head.replace("us/", "µs/"), cell) for head, cell in columns],
+                    rows,
+                    markdown=True,
+                ),
                 "",
                 *(
                     f"- [{target.label}] {target.what}: {target.measured} (target {target.target})"
@@ -396,71 +350,75 @@ class ThroughputReport:
                 {"server": c.server, "streams": c.streams, "round": c.round, **asdict(c.reading)}
                 for c in self.cells
             ],
-            "targets": [target.to_json() for target in self.targets()],
+            "targets": self.targets_json(),
             "passed": self.passed,
         }
 
 
-def _us(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+# -- the tables' columns: each reads its cell off a Row, from one server's side --------
+
+#: What a column shows of one side.
+_READ: dict[str, Callable[[Side], str]] = {
+    "chunks/s": lambda side: f"{side.chunks_per_s:,.0f}",
+    "us/chunk": lambda side: us(side.us_per_chunk),
+    "tok/chunk": lambda side: "-" if (n := side.tokens_per_chunk) is None else f"{n:.2f}",
+    "beats/s": lambda side: f"{side.heartbeats / side.window_s:,.0f}" if side.window_s else "-",
+}
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+def _of(server: str, *shown: str, label: str = "") -> list[Column[Row]]:
+    """The columns ``shown`` of ``server``'s side (headed ``label`` + the column); "-" in a
+    row that has no such side."""
+
+    def column(read: Callable[[Side], str]) -> Callable[[Row], str]:
+        return lambda row: "-" if (side := getattr(row, server)) is None else read(side)
+
+    return [(f"{label}{head}", column(_READ[head])) for head in shown]
 
 
-def _sglang_markdown(row: Row, sglang: Side) -> list[str]:
-    return [
-        _us(sglang.us_per_chunk),
-        _ratio(_ratio_of(sglang, row.floor)),
-        _ratio(_ratio_of(row.serve, sglang)),
-    ]
+def _over(server: str, base: str) -> Callable[[Row], str]:
+    """One server's CPU per chunk over another's, as a multiple."""
+
+    def cell(row: Row) -> str:
+        side, other = getattr(row, server), getattr(row, base)
+        return "-" if side is None or other is None else times(_ratio_of(side, other))
+
+    return cell
 
 
-def _hosted_markdown(row: Row, hosted: Side) -> list[str]:
-    return [
-        _us(hosted.us_per_chunk),
-        "-" if row.sglang is None else _ratio(_ratio_of(hosted, row.sglang)),
-    ]
-
-
-def _hosted_cells(row: Row) -> list[str]:
-    assert row.hosted is not None
-    hosted, tokens = row.hosted, row.hosted.tokens_per_chunk
-    return [
-        f"{row.streams:,}",
-        f"{hosted.chunks_per_s:,.0f}",
-        _us(hosted.us_per_chunk),
-        "-" if tokens is None else f"{tokens:.2f}",
-        f"{hosted.heartbeats / hosted.window_s:,.0f}" if hosted.window_s else "-",
-        "-" if row.sglang is None else _ratio(_ratio_of(hosted, row.sglang)),
-    ]
-
-
-def _sglang_cells(row: Row) -> list[str]:
-    assert row.sglang is not None
-    tokens = row.sglang.tokens_per_chunk
-    return [
-        f"{row.streams:,}",
-        f"{row.sglang.chunks_per_s:,.0f}",
-        _us(row.sglang.us_per_chunk),
-        "-" if tokens is None else f"{tokens:.2f}",
-        _ratio(_ratio_of(row.sglang, row.floor)),
-        _ratio(_ratio_of(row.serve, row.sglang)),
-    ]
-
-
-def _row_cells(row: Row) -> list[str]:
-    tokens = row.serve.tokens_per_chunk
-    return [
-        f"{row.streams:,}",
-        f"{1e3 * row.token_interval:g} ms",
-        f"{row.serve.chunks_per_s:,.0f}",
-        _us(row.serve.us_per_chunk),
-        "-" if tokens is None else f"{tokens:.2f}",
-        f"{row.serve.heartbeats / row.serve.window_s:,.0f}" if row.serve.window_s else "-",
-        f"{row.floor.chunks_per_s:,.0f}",
-        _us(row.floor.us_per_chunk),
-        _ratio(row.ratio),
-        _us(max(side.client_us_per_chunk or 0.0 for side in row.sides)),
-    ]
+_STREAMS: Column[Row] = ("streams", lambda row: f"{row.streams:,}")
+_SIDE = ("chunks/s", "us/chunk", "tok/chunk")
+_TEXT: list[Column[Row]] = [
+    _STREAMS,
+    ("interval", lambda row: f"{1e3 * row.token_interval:g} ms"),
+    *_of("serve", *_SIDE, "beats/s"),
+    *_of("floor", *_SIDE[:2]),
+    ("serve/floor", _over("serve", "floor")),
+    ("client", lambda row: us(max(side.client_us_per_chunk or 0.0 for side in row.sides))),
+]
+_SGLANG_TEXT: list[Column[Row]] = [
+    _STREAMS,
+    *_of("sglang", *_SIDE),
+    ("sglang/floor", _over("sglang", "floor")),
+    ("serve/sglang", _over("serve", "sglang")),
+]
+_HOSTED_TEXT: list[Column[Row]] = [
+    _STREAMS,
+    *_of("hosted", *_SIDE, "beats/s"),
+    ("hosted/sglang", _over("hosted", "sglang")),
+]
+_MARKDOWN: list[Column[Row]] = [
+    _STREAMS,
+    *_of("serve", *_SIDE[:2], label="serve "),
+    *_of("floor", *_SIDE[:2], label="floor "),
+    ("serve/floor", _over("serve", "floor")),
+]
+_SGLANG_MARKDOWN: list[Column[Row]] = [
+    *_of("sglang", "us/chunk", label="SGLang "),
+    ("SGLang/floor", _over("sglang", "floor")),
+    ("serve/SGLang", _over("serve", "sglang")),
+]
+_HOSTED_MARKDOWN: list[Column[Row]] = [
+    *_of("hosted", "us/chunk", label="hosted "),
+    ("hosted/SGLang", _over("hosted", "sglang")),
+]

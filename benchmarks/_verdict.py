@@ -40,7 +40,6 @@ __all__ = [
     "QUIET_STALL_MS",
     "MachineState",
     "Target",
-    "fmt_ms",
     "judge_machine",
 ]
 
@@ -152,9 +151,3 @@ class Target:
             "verdict": self.verdict,
             "judged": "always" if self.kind == "count" else "on a quiet machine",
         }
-
-
-def fmt_ms(value: float | None) -> str:
-    if value is None:
-        return "never"
-    return f"{value:.2f}" if value < 100 else f"{value:.0f}"

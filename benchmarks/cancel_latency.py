@@ -47,7 +47,7 @@ from _cells import CellPlan, run_at_once, run_cell
 from _output import Progress, add_file_options, cores, machine, results_folder, write_json
 from _overhead import memory_per_request, throughput_ratio
 from _phases import PHASES
-from _report import Report, format_report, summary_markdown
+from _report import Report, summary_markdown
 from _shutdown import shutdown_time
 from _trio_floor import bare_trio_burst_ms
 from _verdict import judge_machine
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     written = save_results(report, folder, args.json, None if plot_error else args.plot)
     progress.step_done()
     progress.finish()
-    print(format_report(report))
+    print(report.format())
     print("\nfiles:")
     for path in written:
         print(f"  {path}")

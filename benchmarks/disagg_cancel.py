@@ -32,24 +32,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from _disagg_approaches import PD_APPROACHES
 from _disagg_metrics import HELD_AFTER, PHASES, ApproachResult, summarize
 from _disagg_run import PROGRESS_STEPS, Workload, run_approach
-from _output import (
-    Progress,
-    add_file_options,
-    append_summary,
-    machine,
-    markdown_table,
-    results_folder,
-    table,
-    wrap,
-    write_json,
-)
+from _output import Progress, add_file_options, results_folder, table, wrap
+from _report_base import Column, SummaryReport, columns_table
 from _stats import percentiles
+from _units import sig3
+from _verdict import Target
 from cancel_latency import _LogCounter
 
 __all__ = [
@@ -58,11 +50,8 @@ __all__ = [
     "Config",
     "Report",
     "build_parser",
-    "format_report",
     "main",
     "run_benchmark",
-    "save_results",
-    "summary_markdown",
 ]
 
 #: The default run, and ``--quick`` (what CI runs, a few seconds).
@@ -86,14 +75,81 @@ class Config:
 
 
 @dataclass(slots=True)
-class Report:
-    """Everything one run measured."""
+class Report(SummaryReport):
+    """Everything one run measured: sim seconds, exact, so it sets no target."""
 
     config: Config
     results: list[ApproachResult] = field(default_factory=list)
     #: The workers' log records during the run, counted by message template.
     worker_log: dict[str, int] = field(default_factory=dict)
     runtime_s: float = 0.0
+
+    def targets(self) -> list[Target]:
+        return []
+
+    def lines(self) -> list[str]:
+        return [
+            *self._about(),
+            "",
+            PREFILL_ABOUT,
+            "",
+            *columns_table(PREFILL, self.results),
+            "",
+            *wrap(f"Decode side ({HELD}; 'never' = still held at the end):"),
+            "",
+            *columns_table(DECODE, self.results),
+            "",
+            "Per phase at the cancel (wasted prefill s, decode hold s: p50/p99/max):",
+            "",
+            *table(
+                ["phase", "approach", "cancels", "wasted prefill", "held", "decode hold"],
+                _phase_rows(self.results),
+                align="llrrrr",
+            ),
+            "",
+            *self._runtime_lines(),
+        ]
+
+    def markdown(self) -> str:
+        """This benchmark's section of ``summary.md``: the two totals tables."""
+        return "\n".join(
+            [
+                "## Prefill/decode pair (disagg_cancel.py)",
+                "",
+                *self._about(),
+                "",
+                PREFILL_ABOUT,
+                "",
+                *columns_table(PREFILL, self.results, markdown=True),
+                "",
+                f"Decode side ({HELD}):",
+                "",
+                *columns_table(DECODE, self.results, markdown=True),
+                "",
+            ]
+        )
+
+    def _about(self) -> list[str]:
+        w = self.config.workload
+        t = w.timing.disagg
+        return wrap(
+            f"Disaggregated cancels: {w.requests:,} requests, offered prefill load {w.load:g}, "
+            f"{w.cancel_share:.0%} of clients leave at a random moment (seed {w.seed}). "
+            f"Clock: {CLOCK}. Prefill {1 / t.prefill_time_per_token:,.0f} tokens/s in chunks of "
+            f"{t.prefill_chunk_tokens:,}; KV wait timeout {t.kv_wait_timeout:g} s."
+        )
+
+    def _runtime_lines(self) -> list[str]:
+        texts = [
+            f"{r.approach}: last client left at sim {r.last_client_s:,.0f} s, engines empty at "
+            f"{r.settled_s:,.0f} s; baseline bound hits {r.bound_hits}; "
+            f"{r.runtime_s:.1f} s of wall time"
+            for r in self.results
+        ]
+        texts.append(f"runtime: {self.runtime_s:.1f} s of wall time")
+        if self.worker_log:
+            texts.append(f"worker log: {self.worker_log}")
+        return [line for text in texts for line in wrap(text)]
 
     def to_json(self, machine: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -125,50 +181,36 @@ def run_benchmark(config: Config, progress: Progress | None = None) -> Report:
 # -- the tables --------------------------------------------------------------------
 
 
-def _sec(value: float | None) -> str:
-    if value is None:
-        return "never"
-    return "0" if value == 0 else f"{value:.3g}"
-
-
 def _triple(samples: Sequence[float]) -> str:
     """p50/p99/max; "-" when there is no sample."""
     if not samples:
         return "-"
     stats = percentiles(samples)
-    return "/".join(_sec(stats[key]) for key in ("p50", "p99", "max"))
+    return "/".join(sig3(stats[key]) for key in ("p50", "p99", "max"))
 
 
-def _prefill_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
-    return [
-        [
-            r.approach,
-            f"{r.cancels:,}",
-            f"{r.prefill_forward_s:,.0f}",
-            f"{sum(r.wasted_prefill_s):,.1f}",
-            _triple(r.wasted_prefill_s),
-            f"{sum(r.hol_delay_s):,.0f}",
-            _triple(r.hol_delay_s),
-            _triple(r.ttft_s),
-        ]
-        for r in results
-    ]
-
-
-def _decode_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
-    return [
-        [
-            r.approach,
-            f"{r.decode_held:,}",
-            _triple(r.decode_hold_s),
-            f"{r.kv_timeouts:,}",
-            f"{r.decode_tokens_after_cancel:,}",
-            f"{r.stayed_failed:,}",
-            f"{r.live_at_end:,}",
-            f"{r.aborts_lost:,}",
-        ]
-        for r in results
-    ]
+PREFILL_ABOUT = "Prefill side (sim seconds; p50/p99/max; HOL: the delay to others' first tokens):"
+HELD = f"'held': let go more than {HELD_AFTER * 1e3:g} ms after the cancel"
+PREFILL: list[Column[ApproachResult]] = [
+    ("approach", lambda r: r.approach),
+    ("cancels", lambda r: f"{r.cancels:,}"),
+    ("forward s", lambda r: f"{r.prefill_forward_s:,.0f}"),
+    ("wasted s", lambda r: f"{sum(r.wasted_prefill_s):,.1f}"),
+    ("wasted/cancel", lambda r: _triple(r.wasted_prefill_s)),
+    ("HOL s", lambda r: f"{sum(r.hol_delay_s):,.0f}"),
+    ("HOL/stayer", lambda r: _triple(r.hol_delay_s)),
+    ("stayer TTFT", lambda r: _triple(r.ttft_s)),
+]
+DECODE: list[Column[ApproachResult]] = [
+    ("approach", lambda r: r.approach),
+    ("held", lambda r: f"{r.decode_held:,}"),
+    ("hold s/cancel", lambda r: _triple(r.decode_hold_s)),
+    ("kv timeouts", lambda r: f"{r.kv_timeouts:,}"),
+    ("tokens after", lambda r: f"{r.decode_tokens_after_cancel:,}"),
+    ("stayers failed", lambda r: f"{r.stayed_failed:,}"),
+    ("live at end", lambda r: f"{r.live_at_end:,}"),
+    ("lost", lambda r: f"{r.aborts_lost:,}"),
+]
 
 
 def _phase_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
@@ -187,100 +229,6 @@ def _phase_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
                 ]
             )
     return rows
-
-
-PREFILL_HEADER = (
-    "approach",
-    "cancels",
-    "forward s",
-    "wasted s",
-    "wasted/cancel",
-    "HOL s",
-    "HOL/stayer",
-    "stayer TTFT",
-)
-DECODE_HEADER = (
-    "approach",
-    "held",
-    "hold s/cancel",
-    "kv timeouts",
-    "tokens after",
-    "stayers failed",
-    "live at end",
-    "lost",
-)
-
-
-def _about(report: Report) -> list[str]:
-    w = report.config.workload
-    t = w.timing.disagg
-    return wrap(
-        f"Disaggregated cancels: {w.requests:,} requests, offered prefill load {w.load:g}, "
-        f"{w.cancel_share:.0%} of clients leave at a random moment (seed {w.seed}). "
-        f"Clock: {CLOCK}. Prefill {1 / t.prefill_time_per_token:,.0f} tokens/s in chunks of "
-        f"{t.prefill_chunk_tokens:,}; KV wait timeout {t.kv_wait_timeout:g} s."
-    )
-
-
-def format_report(report: Report) -> str:
-    lines = [
-        *_about(report),
-        "",
-        "Prefill side (sim seconds; p50/p99/max; HOL: the delay to others' first tokens):",
-        "",
-        *table(PREFILL_HEADER, _prefill_rows(report.results)),
-        "",
-        *wrap(
-            f"Decode side ('held': let go more than {HELD_AFTER * 1e3:g} ms after the cancel; "
-            "'never' = still held at the end):"
-        ),
-        "",
-        *table(DECODE_HEADER, _decode_rows(report.results)),
-        "",
-        "Per phase at the cancel (wasted prefill s, decode hold s: p50/p99/max):",
-        "",
-        *table(
-            ["phase", "approach", "cancels", "wasted prefill", "held", "decode hold"],
-            _phase_rows(report.results),
-            align="llrrrr",
-        ),
-        "",
-        *_runtime_lines(report),
-    ]
-    return "\n".join(lines)
-
-
-def summary_markdown(report: Report) -> str:
-    """This benchmark's section of ``summary.md``: the two totals tables."""
-    return "\n".join(
-        [
-            "## Prefill/decode pair (disagg_cancel.py)",
-            "",
-            *_about(report),
-            "",
-            "Prefill side (sim seconds; p50/p99/max; HOL: the delay to others' first tokens):",
-            "",
-            *markdown_table(PREFILL_HEADER, _prefill_rows(report.results)),
-            "",
-            f"Decode side ('held': let go more than {HELD_AFTER * 1e3:g} ms after the cancel):",
-            "",
-            *markdown_table(DECODE_HEADER, _decode_rows(report.results)),
-            "",
-        ]
-    )
-
-
-def _runtime_lines(report: Report) -> list[str]:
-    texts = [
-        f"{r.approach}: last client left at sim {r.last_client_s:,.0f} s, engines empty at "
-        f"{r.settled_s:,.0f} s; baseline bound hits {r.bound_hits}; "
-        f"{r.runtime_s:.1f} s of wall time"
-        for r in report.results
-    ]
-    texts.append(f"runtime: {report.runtime_s:.1f} s of wall time")
-    if report.worker_log:
-        texts.append(f"worker log: {report.worker_log}")
-    return [line for text in texts for line in wrap(text)]
 
 
 # -- the command line --------------------------------------------------------------
@@ -364,17 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker_log.propagate = True
     progress.finish()
     report.worker_log = dict(counter.counts)
-    print(format_report(report))
+    print(report.format())
     print("\nfiles:")
-    for path in save_results(report, folder, args.json):
+    for path in report.save(folder, args.json, "disagg.json"):
         print(f"  {path}")
     return 0
-
-
-def save_results(report: Report, folder: Path, json_path: Path | None = None) -> list[Path]:
-    """disagg.json, and this benchmark's section of summary.md (after cancel_latency's, if any)."""
-    path = write_json(json_path or folder / "disagg.json", report.to_json(machine()))
-    return [path, append_summary(folder, summary_markdown(report))]
 
 
 if __name__ == "__main__":

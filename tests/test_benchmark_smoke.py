@@ -103,9 +103,8 @@ def test_baselines_show_their_gaps(report: Any) -> None:
 
 
 def test_report_renders(bench: ModuleType, report: Any) -> None:
-    import _report
 
-    text = _report.format_report(report)
+    text = report.format()
     for name in APPROACHES:
         assert name in text
     assert "SPEC" not in text
@@ -121,13 +120,12 @@ def test_tables_fit_in_100_columns(
     report: Any, disagg: ModuleType, disagg_report: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import _phases
-    import _report
 
     longest = max(_phases.PHASES, key=len)
     for cell in report.results:  # the widest names and counts a default run has
         monkeypatch.setattr(cell, "phase", longest if cell.concurrency == 1 else cell.phase)
         monkeypatch.setattr(cell, "concurrency", 10_000 * cell.concurrency)
-    for text in (_report.format_report(report), disagg.format_report(disagg_report)):
+    for text in (report.format(), disagg_report.format()):
         widths = [len(line) for line in text.splitlines()]
         assert max(widths) <= 100, max(widths)
 
@@ -160,7 +158,7 @@ def test_quiet_machine_judges_every_target(report: Any, monkeypatch: pytest.Monk
     assert all(not target.not_judged for target in judged)
     assert {target.verdict for target in judged} <= {"met", "MISSED", "not run"}
     measured_on(report, monkeypatch, (0.3, 1.1), own=0.8, stall=1.0)
-    text = _report.format_report(report)
+    text = report.format()
     assert "machine quiet (load 0.30 on 2 cores)" in text
     assert "not judged" not in text
 
@@ -198,7 +196,7 @@ def test_busy_machine_judges_only_counts(
     assert sum(target.kind == "time" for target in judged) == 6
     # The rendered report follows the machine the run measured.
     measured_on(report, monkeypatch, (before, after), own, stall)
-    text = _report.format_report(report)
+    text = report.format()
     assert "[not judged]" in text
     assert f"not judged: machine busy ({shown})" in text
     for line in text.splitlines():
@@ -351,7 +349,7 @@ def test_shutdown_figures_in_the_report(
     assert target.measured == (
         "grace 250 ms + 80 ms; bare trio 40.00 ms (2.0x; 1,000 pending, 2,000 tasks)"
     )
-    text = _report.format_report(report)
+    text = report.format()
     assert "(target <= grace + 2x bare trio)" in text
     summary = " ".join(text.split())  # the summary line, unwrapped
     assert (
@@ -366,7 +364,7 @@ def test_shutdown_figures_in_the_report(
     # The widest figures a full run could give still fit the terminal's 100 columns.
     widest = {"over_grace_ms": 12345.0, "trio_floor_ms": 1234.0, "pending_tasks": 20_000}
     monkeypatch.setattr(report, "shutdown", {**SHUTDOWN, **widest, "pending_cleanups": 10_000})
-    assert max(len(line) for line in _report.format_report(report).splitlines()) <= 100
+    assert max(len(line) for line in report.format().splitlines()) <= 100
 
 
 # -- every run writes its own folder and prints the paths ---------------------------
@@ -538,7 +536,7 @@ def test_disagg_baselines_show_their_gaps(disagg_report: Any) -> None:
 
 
 def test_disagg_report_renders(disagg: ModuleType, disagg_report: Any) -> None:
-    text = disagg.format_report(disagg_report)
+    text = disagg_report.format()
     for name in DISAGG_APPROACHES:
         assert name in text
     assert "MockClock" in text
