@@ -52,9 +52,10 @@ import httpx
 
 from _dynamo_local import Deployment
 from _output import write_json
+from _report_base import Column, columns_table
 from _stats import percentile, percentiles
 from _subprocesses import Process, free_port
-from _units import ms
+from _units import ms, ratio, times
 from _verdict import Target, judge_machine
 
 HERE = Path(__file__).resolve().parent
@@ -265,12 +266,8 @@ def targets(runs: dict[str, WorkerRun]) -> list[Target]:
     ours, floor = runs["trio-sglang (guest)"], runs["plain asyncio"]
     seq = percentile(ours.sequential_ms, 0.99)
     ours_burst, floor_burst = percentile(ours.burst_ms, 0.99), percentile(floor.burst_ms, 0.99)
-    burst_ratio = ours_burst / floor_burst if ours_burst and floor_burst else None
-    cpu_ratio = (
-        ours.cpu_us_per_token / floor.cpu_us_per_token
-        if ours.cpu_us_per_token and floor.cpu_us_per_token
-        else None
-    )
+    burst_ratio = ratio(ours_burst or None, floor_burst)
+    cpu_ratio = ratio(ours.cpu_us_per_token or None, floor.cpu_us_per_token)
     lost = sum(run.lost for run in runs.values())
     leaked = sum(run.leaked for run in runs.values())
     return [
@@ -284,13 +281,13 @@ def targets(runs: dict[str, WorkerRun]) -> list[Target]:
         Target(
             "64 of 128 leaving at once, p99, vs the plain worker",
             f"<= {BURST_RATIO:g}x",
-            "n/a" if burst_ratio is None else f"{burst_ratio:.2f}x",
+            times(burst_ratio, none="n/a"),
             None if burst_ratio is None else burst_ratio <= BURST_RATIO,
         ),
         Target(
             "worker CPU per streamed token, vs the plain worker",
             f"<= {CPU_RATIO:g}x",
-            "n/a" if cpu_ratio is None else f"{cpu_ratio:.2f}x",
+            times(cpu_ratio, none="n/a"),
             None if cpu_ratio is None else cpu_ratio <= CPU_RATIO,
         ),
         Target(
@@ -302,21 +299,23 @@ def targets(runs: dict[str, WorkerRun]) -> list[Target]:
     ]
 
 
-def table(runs: dict[str, WorkerRun]) -> str:
-    head = (
-        "| worker | sequential p50 / p99 / max | burst p50 / p99 / max | "
-        "CPU per token | lost / leaked | probe p50 |\n| --- | --- | --- | --- | --- | --- |"
-    )
-    rows = []
-    for run in runs.values():
-        seq, bur = _summary(run.sequential_ms), _summary(run.burst_ms)
-        cpu = "n/a" if run.cpu_us_per_token is None else f"{run.cpu_us_per_token:.0f} µs"
-        rows.append(
-            f"| {run.name} | {ms(seq['p50'])} / {ms(seq['p99'])} / {ms(seq['max'])} "
-            f"| {ms(bur['p50'])} / {ms(bur['p99'])} / {ms(bur['max'])} | {cpu} "
-            f"| {run.lost} / {run.leaked} | {ms(percentile(run.probe_ms, 0.5))} |"
-        )
-    return "\n".join([head, *rows])
+def _three(values: list[float]) -> str:
+    stats = _summary(values)
+    return " / ".join(ms(stats[key]) for key in ("p50", "p99", "max"))
+
+
+#: The Markdown table printed, a row per worker.
+COLUMNS: list[Column[WorkerRun]] = [
+    ("worker", lambda run: run.name),
+    ("sequential p50 / p99 / max", lambda run: _three(run.sequential_ms)),
+    ("burst p50 / p99 / max", lambda run: _three(run.burst_ms)),
+    (
+        "CPU per token",
+        lambda run: "n/a" if (us := run.cpu_us_per_token) is None else f"{us:.0f} µs",
+    ),
+    ("lost / leaked", lambda run: f"{run.lost} / {run.leaked}"),
+    ("probe p50", lambda run: ms(percentile(run.probe_ms, 0.5))),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     others = max(0.0, (_machine_busy_seconds() - busy_before) / wall - own)
     machine = judge_machine(load_before, own + others, os.cpu_count() or 1, own, 0.0)
     verdicts = [target.judged_on(machine) for target in targets(runs)]
-    print(table(runs))
+    print("\n".join(columns_table(COLUMNS, runs.values(), markdown=True)))
     print(machine.line())
     for target in verdicts:
         print(target.line())
