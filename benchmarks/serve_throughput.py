@@ -46,15 +46,7 @@ from pathlib import Path
 import trio
 
 from _load_server import ServerProcess, open_server
-from _output import (
-    Progress,
-    add_file_options,
-    append_summary,
-    cores,
-    machine,
-    results_folder,
-    write_json,
-)
+from _output import Progress, add_file_options, cores, results_folder
 from _sse_client import Reading, reading_from
 from _throughput_report import SERVERS, Cell, Server, ThroughputReport
 from trio_sglang._cli._field_options import positive_int
@@ -363,9 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = trio.run(run_benchmark, config, progress)
     progress.finish()
     print(report.format())
-    path = write_json(args.json or folder / "serve_throughput.json", report.to_json(machine()))
-    summary = append_summary(folder, report.markdown())
-    print(f"\nfiles:\n  {path}\n  {summary}")
+    print("\nfiles:")
+    for path in report.save(folder, args.json, "serve_throughput.json"):
+        print(f"  {path}")
     return 0 if report.passed else 1
 
 
