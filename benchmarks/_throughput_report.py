@@ -197,31 +197,22 @@ class ThroughputReport(SummaryReport):
     def targets(self) -> list[Target]:
         row = next((r for r in self.rows() if r.streams == TARGET_STREAMS), None)
         at = f"at {TARGET_STREAMS} streams"
-        checks = self.checks()
+        absolute = (f"serve CPU per chunk {at}", f"<= {TARGET_US:g} us")
+        relative = (f"serve / floor, CPU per chunk {at}", f"<= {TARGET_RATIO:g}x")
         if row is None or row.serve.us_per_chunk is None or row.ratio is None:
-            return [
-                Target(f"serve CPU per chunk {at}", f"<= {TARGET_US:g} us", "not run", None),
-                Target(
-                    f"serve / floor, CPU per chunk {at}", f"<= {TARGET_RATIO:g}x", "not run", None
-                ),
-                *checks,
-            ]
-        us, ratio = row.serve.us_per_chunk, row.ratio
-        absolute = Target(
-            f"serve CPU per chunk {at}",
-            f"<= {TARGET_US:g} us",
-            f"{us:.1f} us",
-            us <= TARGET_US,
-            "time",
-        ).judged_on(self.machine())
-        # A ratio of two figures from the same run: judged on every run, as counts are.
-        relative = Target(
-            f"serve / floor, CPU per chunk {at}",
-            f"<= {TARGET_RATIO:g}x",
-            f"{ratio:.2f}x ({us:.1f} / {row.floor.us_per_chunk:.1f} us)",
-            ratio <= TARGET_RATIO,
-        )
-        return [absolute, relative, *checks]
+            not_run = [Target(*absolute, "not run", None), Target(*relative, "not run", None)]
+            return [*not_run, *self.checks()]
+        cpu, over = row.serve.us_per_chunk, row.ratio
+        return [
+            Target(*absolute, f"{cpu:.1f} us", cpu <= TARGET_US, "time").judged_on(self.machine()),
+            # A ratio of two figures from the same run: judged on every run, as counts are.
+            Target(
+                *relative,
+                f"{over:.2f}x ({cpu:.1f} / {row.floor.us_per_chunk:.1f} us)",
+                over <= TARGET_RATIO,
+            ),
+            *self.checks(),
+        ]
 
     def checks(self) -> list[Target]:
         """What makes the run's figures valid, judged on every run."""
