@@ -101,11 +101,15 @@ class PhaseResult:
     wasted_prefill_s: list[float] = field(default_factory=list)
     decode_hold_s: list[float] = field(default_factory=list)
 
+    @property
+    def decode_held(self) -> int:
+        return _held(self.decode_hold_s)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "cancels": self.cancels,
             "wasted_prefill_s": _stats(self.wasted_prefill_s),
-            "decode_held": sum(hold > HELD_AFTER for hold in self.decode_hold_s),
+            "decode_held": self.decode_held,
             "decode_hold_s": _stats(self.decode_hold_s),
         }
 
@@ -143,7 +147,7 @@ class ApproachResult:
 
     @property
     def decode_held(self) -> int:
-        return sum(hold > HELD_AFTER for hold in self.decode_hold_s)
+        return _held(self.decode_hold_s)
 
     def to_json(self) -> dict[str, Any]:
         finite = [hold for hold in self.decode_hold_s if not math.isinf(hold)]
@@ -178,6 +182,11 @@ class ApproachResult:
             },
             "runtime_s": round(self.runtime_s, 2),
         }
+
+
+def _held(holds: Sequence[float]) -> int:
+    """The decode requests let go only after ``HELD_AFTER``, or never."""
+    return sum(hold > HELD_AFTER for hold in holds)
 
 
 def _stats(samples: Sequence[float]) -> Stats:
