@@ -190,9 +190,9 @@ def _throughput(throughput: dict[str, Any] | None) -> Target:
     what, target = "tokens/s through the worker / direct", ">= 0.9"
     if throughput is None:
         return Target(what, target, "not run", None, "time")
-    ratio = float(throughput["ratio"])
-    measured = f"{ratio:.3f} (median of rounds {throughput['median_round_ratio']:.3f})"
-    return Target(what, target, measured, ratio >= 0.9, "time")
+    found = float(throughput["ratio"])
+    measured = f"{found:.3f} (median of rounds {throughput['median_round_ratio']:.3f})"
+    return Target(what, target, measured, found >= 0.9, "time")
 
 
 def _at_once(cells: Sequence[CellResult]) -> Target:
@@ -238,10 +238,10 @@ def _shutdown(shutdown: dict[str, Any] | None) -> Target:
         return Target(what, target, "not run", None, "time")
     over = float(shutdown["over_grace_ms"])
     floor = float(shutdown["trio_floor_ms"])
-    ratio = f"{over / floor:.1f}x; " if floor > 0 else ""
+    multiple = f"{over / floor:.1f}x; " if floor > 0 else ""
     measured = (
         f"grace {1e3 * shutdown['grace_s']:.0f} ms + {over:.0f} ms; bare trio {ms(floor)} ms "
-        f"({ratio}{shutdown['pending_cleanups']:,} pending, {shutdown['pending_tasks']:,} tasks)"
+        f"({multiple}{shutdown['pending_cleanups']:,} pending, {shutdown['pending_tasks']:,} tasks)"
     )
     shaped = shutdown.get("trio_shaped_floor_ms")
     if shaped is not None:  # recorded runs before it had none
@@ -311,8 +311,8 @@ def _ratio_text(theirs: float | None, ours: float | None) -> str:
         return "-"
     if ours <= 0:
         return "both 0" if theirs <= 0 else f"{ms(theirs)} ms"
-    times = theirs / ours
-    return f"{times:.1f}x" if times < 10 else f"{times:,.0f}x"
+    multiple = theirs / ours
+    return f"{multiple:.1f}x" if multiple < 10 else f"{multiple:,.0f}x"
 
 
 def headline_ratios(cells: Sequence[CellResult]) -> list[dict[str, Any]]:

@@ -119,12 +119,12 @@ class Probe:
 
     def round_trips(self, count: int) -> list[float]:
         """Milliseconds of ``count`` idle readings: the workers' probes are different servers."""
-        times = []
+        took = []
         for _ in range(count):
             sent = time.perf_counter()
             self.live()
-            times.append((time.perf_counter() - sent) * 1000)
-        return times
+            took.append((time.perf_counter() - sent) * 1000)
+        return took
 
     def until(self, done: Callable[[int], bool], on_step: Callable[[int], None]) -> bool:
         """Poll every ``POLL_INTERVAL`` until ``done(live)``; ``on_step(live)`` at each reading."""
