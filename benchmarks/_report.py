@@ -18,7 +18,7 @@ from typing import Any
 
 from _metrics import CellResult
 from _output import markdown_table, table, target_lines, wrap
-from _report_base import BenchReport
+from _report_base import BenchReport, Column, columns_table
 from _stats import percentiles
 from _units import count, ms, ratio
 from _verdict import MachineState, Target, judge_machine
@@ -362,46 +362,31 @@ def _ratio_table(cells: Sequence[CellResult], *, markdown: bool = False) -> list
 # -- the whole text --------------------------------------------------------------------
 
 
-def _cell_row(cell: CellResult) -> list[str]:
-    def pair(samples: list[float]) -> str:
-        stats = percentiles(samples)
-        return f"{ms(stats['p50'])}/{ms(stats['p99'])}"
-
-    wasted = percentiles(cell.wasted_tokens)["p99"]
-    return [
-        f"{cell.concurrency:,}",
-        cell.approach,
-        f"{cell.cancels:,}",
-        pair(cell.stream_close_ms),
-        pair(cell.abort_delay_ms),
-        f"{cell.aborts_lost:,}",
-        f"{cell.leaked:,}",
-        count(wasted),
-        f"{cell.cpu_us_per_cancel:.0f}",
-        f"{cell.off_phase}",
-    ]
+def _pair(samples: list[float]) -> str:
+    stats = percentiles(samples)
+    return f"{ms(stats['p50'])}/{ms(stats['p99'])}"
 
 
-CELL_HEADER = (
-    "streams",
-    "approach",
-    "cancels",
-    "close p50/p99",
-    "abort p50/p99",
-    "lost",
-    "leaked",
-    "wasted",
-    "cpu us",
-    "off",
-)
+CELLS: list[Column[CellResult]] = [
+    ("streams", lambda cell: f"{cell.concurrency:,}"),
+    ("approach", lambda cell: cell.approach),
+    ("cancels", lambda cell: f"{cell.cancels:,}"),
+    ("close p50/p99", lambda cell: _pair(cell.stream_close_ms)),
+    ("abort p50/p99", lambda cell: _pair(cell.abort_delay_ms)),
+    ("lost", lambda cell: f"{cell.aborts_lost:,}"),
+    ("leaked", lambda cell: f"{cell.leaked:,}"),
+    ("wasted", lambda cell: count(percentiles(cell.wasted_tokens)["p99"])),
+    ("cpu us", lambda cell: f"{cell.cpu_us_per_cancel:.0f}"),
+    ("off", lambda cell: f"{cell.off_phase}"),
+]
 
 
 def _cells_table(cells: Sequence[CellResult]) -> list[str]:
-    rows: list[Sequence[str] | str] = []
+    """The cells under a heading line per phase."""
+    rows: list[CellResult | str] = []
     for phase in dict.fromkeys(cell.phase for cell in cells):
-        rows.append(f"{phase}:")
-        rows += [_cell_row(cell) for cell in cells if cell.phase == phase]
-    return table(CELL_HEADER, rows, align="rlrrrrrrrr")
+        rows += [f"{phase}:", *(cell for cell in cells if cell.phase == phase)]
+    return columns_table(CELLS, rows, align="rlrrrrrrrr")
 
 
 def _overhead_lines(report: Report) -> list[str]:

@@ -26,12 +26,17 @@ Column = tuple[str, Callable[[R], str]]
 
 
 def columns_table(
-    columns: Sequence[Column[R]], rows: Iterable[R], *, markdown: bool = False, **text: Any
+    columns: Sequence[Column[R]], rows: Iterable[R | str], *, markdown: bool = False, **text: Any
 ) -> list[str]:
-    """``rows`` under ``columns``, as text (``table``'s options in ``text``) or Markdown."""
+    """``rows`` under ``columns``, as text (``table``'s options in ``text``) or Markdown.
+
+    A ``str`` in ``rows`` is a heading line across the text table; Markdown, which
+    has none, leaves it out."""
     header = [head for head, _ in columns]
-    cells = [[cell(row) for _, cell in columns] for row in rows]
-    return markdown_table(header, cells) if markdown else table(header, cells, **text)
+    cells = [row if isinstance(row, str) else [cell(row) for _, cell in columns] for row in rows]
+    if markdown:
+        return markdown_table(header, [row for row in cells if not isinstance(row, str)])
+    return table(header, cells, **text)
 
 
 class BenchReport(ABC):
