@@ -28,14 +28,13 @@ from typing import Any
 import httpx
 
 from _http_servers_cpu import SLOW_PROMPT
-from _raw_post import post_raw
+from _leaving_client import close_after
 from _stats import percentiles
 from _subprocesses import Process, free_port, healthy, wait_until
 
 __all__ = [
     "SERVER_PHASES",
     "Server",
-    "close_after",
     "format_servers",
     "leave",
     "run_server_sweep",
@@ -111,20 +110,6 @@ def leave(server: Server, phase: str) -> float:
     prompt, after, chunks = SERVER_PHASES[phase]
     params = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
     return close_after(server.url, {"text": prompt, "sampling_params": params}, after, chunks)
-
-
-def close_after(url: str, body: dict[str, Any], after: float, chunks: int) -> float:
-    """A streaming ``/generate`` of ``body`` over a raw socket, closed ``after`` s from the
-    send and ``chunks`` data chunks in; the moment it closed (``time.monotonic``)."""
-    with post_raw(url, "/generate", {**body, "stream": True}, timeout=30) as client:
-        time.sleep(after)
-        seen = b""
-        while seen.count(b"data: {") < chunks:
-            received = client.recv(65536)
-            if not received:
-                break
-            seen += received
-        return time.monotonic()
 
 
 def watch(server: Server, left: float) -> tuple[float, bool, bool]:

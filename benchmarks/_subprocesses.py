@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Process", "free_port", "healthy", "served_url", "wait_until"]
+__all__ = ["Process", "free_port", "healthy", "poll_until", "served_url", "wait_until"]
 
 #: What ``serve`` (and the benchmarks' own HTTP servers) print once they listen.
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
@@ -113,10 +113,26 @@ class Process:
 def wait_until(
     what: str, ready: Callable[[], bool], timeout: float, *watched: Process, poll: float = 0.01
 ) -> float:
-    """Poll ``ready`` until true; the seconds it took.
+    """``poll_until``, failing after ``timeout`` s: the seconds it took."""
+    took = poll_until(ready, timeout, *watched, what=what, poll=poll)
+    if took is None:
+        tails = "\n".join(process.tail() for process in watched)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
+    return took
 
-    The one poll of another process's state (no event announces it here): it fails after
-    ``timeout`` s, or as soon as a watched process exits.
+
+def poll_until(
+    ready: Callable[[], bool],
+    timeout: float,
+    *watched: Process,
+    what: str = "a condition",
+    poll: float = 0.01,
+) -> float | None:
+    """Poll ``ready`` until true; the seconds it took, or None once ``timeout`` s went by.
+
+    The one poll of another process's state (no event announces it here): it
+    fails as soon as a watched process exits, and a benchmark that times the
+    wait counts a timeout as a finding rather than failing (``wait_until`` fails).
     """
     start = time.monotonic()
     deadline = start + timeout
@@ -130,6 +146,5 @@ def wait_until(
                     f"{what}\n{process.tail()}"
                 )
         if time.monotonic() > deadline:
-            tails = "\n".join(process.tail() for process in watched)
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
+            return None
         time.sleep(poll)

@@ -54,7 +54,7 @@ from _dynamo_local import Deployment
 from _output import write_json
 from _report_base import Column, columns_table
 from _stats import percentile, percentiles
-from _subprocesses import Process, free_port
+from _subprocesses import Process, free_port, poll_until
 from _units import ms, ratio, times
 from _verdict import Target, judge_machine
 
@@ -128,14 +128,13 @@ class Probe:
 
     def until(self, done: Callable[[int], bool], on_step: Callable[[int], None]) -> bool:
         """Poll every ``POLL_INTERVAL`` until ``done(live)``; ``on_step(live)`` at each reading."""
-        deadline = time.perf_counter() + RELEASE_TIMEOUT
-        while time.perf_counter() < deadline:
+
+        def reading() -> bool:
             live = self.live()
             on_step(live)
-            if done(live):
-                return True
-            time.sleep(POLL_INTERVAL)
-        return False
+            return done(live)
+
+        return poll_until(reading, RELEASE_TIMEOUT, poll=POLL_INTERVAL) is not None
 
 
 def _cpu_seconds(process: Process) -> float:

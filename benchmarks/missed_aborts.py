@@ -29,9 +29,10 @@ from typing import Any
 
 import httpx
 
+from _leaving_client import close_after
 from _missed_aborts import MISSED
 from _output import write_json
-from _server_sweep import Server, close_after, started, watch
+from _server_sweep import Server, started, watch
 from _stats import percentiles
 
 __all__ = ["MAX_NEW_TOKENS", "leave", "main", "missed", "run"]

@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 
 from _http_servers_cpu import SLOW_PROMPT
+from _leaving_client import close_after
 from _output import write_json
-from _server_sweep import close_after
 from _subprocesses import Process, healthy, served_url, wait_until
 from trio_sglang_harness import logged_since
 

@@ -44,9 +44,10 @@ from pathlib import Path
 
 import httpx
 
+from _leaving_client import drain, post_raw, read_until
 from _output import table, write_json
-from _raw_post import post_raw
 from _serve_processes import start_router, start_workers
+from _subprocesses import poll_until
 
 __all__ = ["Config", "Trial", "main", "run_benchmark"]
 
@@ -133,37 +134,13 @@ def live(worker: str) -> float:
 
 def wait_idle(worker: str, timeout: float) -> float | None:
     """Poll until the worker's engine holds nothing; the seconds it took (None: not in time)."""
-    start = time.monotonic()
-    while live(worker) != 0:
-        if time.monotonic() - start > timeout:
-            return None
-        time.sleep(0.002)
-    return time.monotonic() - start
+    return poll_until(lambda: live(worker) == 0, timeout, poll=0.002)
 
 
 def stream(url: str) -> socket.socket:
     """A streaming ``/generate`` over a socket of its own."""
     body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": LONG}}
     return post_raw(url, "/generate", body, IO_TIMEOUT)
-
-
-def read_until(sock: socket.socket, marker: bytes) -> None:
-    received = b""
-    while marker not in received:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise RuntimeError(f"the stream ended before {marker!r}: {received[-500:]!r}")
-        received += chunk
-    if not received.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"not a 200: {received[:500]!r}")
-
-
-def drain(sock: socket.socket) -> None:
-    """Read what has come, so that the close is a FIN (a client that read all it was sent)."""
-    sock.setblocking(False)
-    with contextlib.suppress(BlockingIOError):
-        while sock.recv(65536):
-            pass
 
 
 def trial(url: str, worker: str, phase: str, dwell: float, bound: float) -> float | None:

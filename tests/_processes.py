@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from _raw_post import post_raw
+from _leaving_client import post_raw
 from _serve_processes import ROUTERS, start_router, start_workers
 from _subprocesses import Process, free_port, free_ports, healthy, served_url, wait_until
 

@@ -27,6 +27,7 @@ from _processes import wait_until
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
 import _server_sweep as sweep
+from _leaving_client import close_after
 from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
@@ -101,7 +102,7 @@ def test_a_client_leaving_in_each_phase_leaves_nothing_at_the_engine(server: swe
 def test_a_long_prompt_left_in_its_prefill_leaves_nothing(server: sweep.Server) -> None:
     body = {"input_ids": LONG_PROMPT, "sampling_params": {"max_new_tokens": 400}}
     for _ in range(2):
-        until_idle, _, left = sweep.watch(server, sweep.close_after(server.url, body, 0.05, 0))
+        until_idle, _, left = sweep.watch(server, close_after(server.url, body, 0.05, 0))
         assert not left, until_idle
         assert states(server.url) == 0
 
@@ -115,7 +116,7 @@ def test_a_request_left_while_it_waits_behind_a_running_one_leaves_nothing(
     try:
         wait_until("the first request to run", lambda: server.holds() == 1, 30)
         params = {"max_new_tokens": 400, "ignore_eos": True}
-        sweep.close_after(server.url, {"text": "second", "sampling_params": params}, 0.3, 0)
+        close_after(server.url, {"text": "second", "sampling_params": params}, 0.3, 0)
         wait_until("the second request to go", lambda: server.holds() <= 1, 2.5)
         assert server.holds() == 1  # the first one, still read by its client
     finally:

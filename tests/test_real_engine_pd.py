@@ -43,6 +43,7 @@ if importlib.util.find_spec("mooncake") is None:
     )
 
 import _server_sweep as sweep
+from _leaving_client import close_after
 from _subprocesses import free_port
 from trio_sglang_harness import build_tiny_model
 
@@ -187,7 +188,7 @@ def leave(pair: dict[str, str], prompt: str | list[int], after: float, chunks: i
         "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
     }
     with Sampler(pair) as sampler:
-        sweep.close_after(pair["decode"], body, after, chunks)
+        close_after(pair["decode"], body, after, chunks)
     return sampler.seen
 
 

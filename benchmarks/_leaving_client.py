@@ -1,0 +1,65 @@
+"""The one leaving client of the benchmarks and the tests: a POST over a socket of its own.
+
+A client that must be able to leave at any moment, before the headers or
+between two chunks, with a FIN or with unread data: no HTTP library in the
+way, only the request written out. How it leaves is part of what is measured
+(a close with unread bytes is a reset, one after reading all is a FIN), so
+each way a caller leaves on purpose is a function of its own here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from typing import Any
+
+__all__ = ["close_after", "drain", "post_raw", "read_until"]
+
+
+def post_raw(url: str, path: str, body: dict[str, Any], timeout: float) -> socket.socket:
+    """``body`` as JSON, POSTed to ``url`` + ``path``; the socket, nothing of the answer read."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    )
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def close_after(url: str, body: dict[str, Any], after: float, chunks: int) -> float:
+    """A streaming ``/generate`` of ``body``, closed ``after`` s from the send and ``chunks``
+    data chunks in (what else came stays unread); the moment it closed (``time.monotonic``)."""
+    with post_raw(url, "/generate", {**body, "stream": True}, timeout=30) as client:
+        time.sleep(after)
+        seen = b""
+        while seen.count(b"data: {") < chunks:
+            received = client.recv(65536)
+            if not received:
+                break
+            seen += received
+        return time.monotonic()
+
+
+def read_until(sock: socket.socket, marker: bytes) -> None:
+    """Read until ``marker`` came (the headers' end, a first event) of a 200 answer."""
+    received = b""
+    while marker not in received:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise RuntimeError(f"the stream ended before {marker!r}: {received[-500:]!r}")
+        received += chunk
+    if not received.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"not a 200: {received[:500]!r}")
+
+
+def drain(sock: socket.socket) -> None:
+    """Read what has come, so that the close is a FIN (a client that read all it was sent)."""
+    sock.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while sock.recv(65536):
+            pass
