@@ -61,15 +61,10 @@ counted), the whole by a ``trio.fail_after`` only a bug can reach.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import math
 import random
 import socket
-import struct
-import sys
-import termios
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -77,11 +72,9 @@ from functools import partial
 from typing import Literal
 from urllib.parse import urlsplit
 
-import h2.config
-import h2.connection
-import h2.settings
 import trio
 
+from _hostile_clients import flood_preface, h2_requests, reset, unread
 from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = [
@@ -257,13 +250,6 @@ async def _answer(stream: trio.SocketStream) -> str:
 # -- connections that never read: non-readers and zero-window clients -------------
 
 
-def _unread(sock: trio.socket.SocketType) -> int:
-    """Bytes of the server's answer waiting in the receive buffer (``FIONREAD``): seen
-    without reading them, so that the window the client advertises stays as it is."""
-    waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4))
-    return int.from_bytes(waiting, sys.byteorder)
-
-
 def _server_let_go(sock: trio.socket.SocketType) -> LetGo | None:
     """How the server let go of the connection, if it did; read without taking a byte."""
     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
@@ -306,7 +292,7 @@ async def _hold(
         with trio.move_on_after(shape.hold_bound):
             # No event tells a socket that is not read that its peer let go: look.
             while (seen := _server_let_go(sock)) is None:
-                if answered is None and _unread(sock):
+                if answered is None and unread(sock):
                     answered = trio.current_time()
                 await trio.sleep(_LOOK_EVERY)
             how, now = seen, trio.current_time()
@@ -325,24 +311,11 @@ def _nonreader(
     return partial(_hold, address, request, "non-reader", shape, tally.nonreaders, tally)
 
 
-def zero_window_preface(host: str, model: str, prompt: str, max_tokens: int, streams: int) -> bytes:
-    """An HTTP/2 client's first bytes, with prior knowledge: the preface, SETTINGS with an
-    initial window of 0, and ``streams`` streaming ``/generate`` requests whose answers a
-    server speaking HTTP/2 could then never send."""
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.local_settings = h2.settings.Settings(
-        client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
-    )
-    conn.initiate_connection()
+def zero_window_preface(host: str, prompt: str, max_tokens: int, streams: int) -> bytes:
+    """A zero-window client's first bytes: ``streams`` streaming ``/generate`` requests whose
+    answers a server speaking HTTP/2 could then never send."""
     body = json.dumps(request_body("/generate", prompt, max_tokens)).encode()
-    head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http")]
-    for stream_id in range(1, 2 * streams, 2):
-        conn.send_headers(
-            stream_id,
-            [*head, (":authority", host), ("content-type", "application/json")],
-        )
-        conn.send_data(stream_id, body, end_stream=True)
-    return conn.data_to_send()
+    return h2_requests(host, streams, body, zero_window=True)
 
 
 def _zero_window(
@@ -350,20 +323,8 @@ def _zero_window(
 ) -> Attempt:
     host = f"{address[0]}:{address[1]}"
     prompt = f"zero-window {index}"
-    request = zero_window_preface(host, model, prompt, shape.zero_window_tokens, shape.streams)
+    request = zero_window_preface(host, prompt, shape.zero_window_tokens, shape.streams)
     return partial(_hold, address, request, "zero-window", shape, tally.zero_window, tally)
-
-
-def flood_preface(streams: int = 999, frames: int = 5000) -> bytes:
-    """An HTTP/2 client's preface, then PRIORITY frames for ``streams`` idle streams, each
-    made a child of the root again and again: ``frames`` of 14 bytes."""
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    frame = bytearray(conn.data_to_send())
-    for i in range(frames):
-        stream_id = 1 + 2 * (i % streams)
-        frame += b"\x00\x00\x05\x02\x00" + stream_id.to_bytes(4, "big") + bytes(4) + b"\x10"
-    return bytes(frame)
 
 
 def _flooder(
@@ -398,7 +359,7 @@ async def _leave_after(
     except trio.BrokenResourceError:
         tally.failures[f"{who}: request not sent"] += 1
     finally:
-        _reset(sock)
+        reset(sock)
 
 
 def _pipeliner(
@@ -427,31 +388,16 @@ async def _burst_then_reset(address: tuple[str, int], burst: bytes, tally: Hosti
     except trio.BrokenResourceError:
         tally.failures["resetter: burst not sent"] += 1
     finally:
-        _reset(sock)
-
-
-def _reset(sock: trio.socket.SocketType) -> None:
-    """Close with a reset (SO_LINGER on, 0 s), as a client that crashed or timed out."""
-    with contextlib.suppress(OSError):  # the server's reset came first
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
+        reset(sock)
 
 
 def _resetter(
     index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
 ) -> Attempt:
     host = f"{address[0]}:{address[1]}"
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
     body = request_body("/generate", f"resetter {index}", shape.max_tokens)
-    payload = json.dumps(body | {"stream": True}).encode()
-    head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http")]
-    for stream_id in range(1, 2 * shape.burst_streams, 2):
-        conn.send_headers(
-            stream_id, [*head, (":authority", host), ("content-type", "application/json")]
-        )
-        conn.send_data(stream_id, payload, end_stream=True)
-    return partial(_burst_then_reset, address, conn.data_to_send(), tally)
+    burst = h2_requests(host, shape.burst_streams, json.dumps(body | {"stream": True}).encode())
+    return partial(_burst_then_reset, address, burst, tally)
 
 
 def _fanout(

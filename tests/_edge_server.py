@@ -8,16 +8,13 @@ bounded; every process is reaped.
 
 from __future__ import annotations
 
-import array
 import contextlib
-import fcntl
 import json
 import re
 import shutil
 import signal
 import socket
 import sys
-import termios
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +24,8 @@ from typing import Any
 import httpx
 from prometheus_client import parser
 
+import _processes  # noqa: F401  (puts benchmarks/ on the path)
+from _hostile_clients import unread
 from _processes import Process, served_url, wait_until
 
 MODEL = "trio-sglang-sim"
@@ -272,9 +271,7 @@ def wait_streaming(sock: socket.socket, still: float = 0.3, timeout: float = 5.0
     deadline = time.monotonic() + timeout
     queued, since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        buffer = array.array("i", [0])
-        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buffer)
-        now_queued = buffer[0]
+        now_queued = unread(sock)
         if now_queued != queued:
             queued, since = now_queued, time.monotonic()
         elif time.monotonic() - since >= still:

@@ -36,6 +36,7 @@ from _edge_server import (
     read_head,
     request_bytes,
 )
+from _hostile_clients import h2_requests
 from _processes import wait_until
 
 #: test_edge.py's fixtures: a server for one test, and one on the defaults for this module.
@@ -226,27 +227,6 @@ def test_a_bad_h2c_upgrade_is_one_log_line_without_headers(start: Callable[..., 
 # -- 12. HTTP/2 clients that grant no window --------------------------------------
 
 
-def _zero_window_h2(streams: int) -> bytes:
-    """An HTTP/2 client's first bytes: prior knowledge, an initial window of 0, and
-    ``streams`` keyless GETs whose answers (401s) can then never be sent."""
-    import h2.config
-    import h2.connection
-    import h2.settings
-
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.local_settings = h2.settings.Settings(
-        client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
-    )
-    conn.initiate_connection()
-    for i in range(streams):
-        conn.send_headers(
-            2 * i + 1,
-            [(":method", "GET"), (":path", "/v1/models"), (":scheme", "http"), (":authority", "x")],
-            end_stream=True,
-        )
-    return conn.data_to_send()
-
-
 @pytest.mark.parametrize(
     ("flags", "streams"), [((), 100), (("--http2",), 10)], ids=["http11-only", "http2"]
 )
@@ -266,7 +246,8 @@ def test_zero_window_http2_clients_hold_no_slot(
     server = start(
         "--api-key", "k", "--max-connections", "50", "--client-stall-timeout", "1", *flags
     )
-    probe = _zero_window_h2(streams)
+    # Keyless GETs, whose answers (401s) can then never be sent.
+    probe = h2_requests("x", streams, path="/v1/models", zero_window=True)
     held = []
     for _ in range(60):
         sock = connect(server)
@@ -296,24 +277,12 @@ def test_an_http2_stream_its_client_takes_nothing_of_is_stopped(
     reset once 32 KiB wait for the client and the stall timeout passed, its request
     stopped at the engine, the connection (left with no stream) dropped, and counted
     as a stalled client."""
-    import h2.config
-    import h2.connection
-    import h2.settings
-
     server = start("--http2", "--client-stall-timeout", "1", "--sim-token-interval", "0.001")
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.local_settings = h2.settings.Settings(
-        client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
-    )
-    conn.initiate_connection()
     body = json.dumps(
         {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": LONG}}
     ).encode()
-    head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http"), (":authority", "x")]
-    conn.send_headers(1, [*head, ("content-type", "application/json")])
-    conn.send_data(1, body, end_stream=True)
     with connect(server) as sock:
-        sock.sendall(conn.data_to_send())
+        sock.sendall(h2_requests("x", 1, body, zero_window=True))
         wait_until("the request to reach the engine", lambda: server.live() == 1, 5, server.process)
         started = time.monotonic()
         assert closed_within(sock, 3), "a stream its client took nothing of kept its connection"

@@ -15,14 +15,11 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import h2.config
-import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
@@ -39,6 +36,7 @@ from _edge_server import (
     request_bytes,
     servers,
 )
+from _hostile_clients import flood_preface, h2_client, h2_frame, h2_requests, reset
 from _processes import wait_until
 
 
@@ -48,62 +46,38 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         yield starting
 
 
-def _reset(sock: socket.socket) -> None:
-    """Close with a reset (SO_LINGER 0), as a client that crashed or timed out."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
-
-
 def _leave(sock: socket.socket, how: str) -> None:
     if how == "reset":
-        _reset(sock)
+        reset(sock)
     else:
         sock.close()
 
 
-def _h2_client() -> h2.connection.H2Connection:
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    return conn
-
-
 def _flood(kind: str) -> bytes:
-    """The client's preface, then about 70 KB of frames of ``kind`` that ask for nothing.
-
-    ``priority``: 999 idle streams, then each made a child of the root again and
-    again (each such frame cost hypercorn's priority tree about 1.5 ms once it
-    held 999 streams).
-    """
-    conn = _h2_client()
-    out = bytearray(conn.data_to_send())
+    """The client's preface, then about 70 KB of frames of ``kind`` that ask for nothing:
+    ``priority`` is the load test's flooder."""
     if kind == "priority":
-        for i in range(5000):
-            out += _raw(2, 1 + 2 * (i % 999), struct.pack(">IB", 0, 16))
-    elif kind == "ping":
+        return flood_preface()
+    conn = h2_client()
+    out = bytearray(conn.data_to_send())
+    if kind == "ping":
         for _ in range(4000):
-            out += _raw(6, 0, b"12345678")
+            out += h2_frame(6, 0, b"12345678")
     elif kind == "settings":
         for _ in range(8000):
-            out += _raw(4, 0, b"")
+            out += h2_frame(4, 0, b"")
     else:  # empty DATA frames on a request whose body never ends
         head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http")]
         conn.send_headers(1, [*head, (":authority", "x"), ("content-type", "application/json")])
         out += conn.data_to_send()
         for _ in range(8000):
-            out += _raw(0, 1, b"")
+            out += h2_frame(0, 1, b"")
     return bytes(out)
-
-
-def _raw(kind: int, stream: int, payload: bytes) -> bytes:
-    """One HTTP/2 frame: 24-bit length, type, no flags, stream id, payload."""
-    length = struct.pack(">I", len(payload))[1:]
-    return length + bytes([kind, 0]) + struct.pack(">I", stream) + payload
 
 
 def _goaway(sock: socket.socket, timeout: float) -> int | None:
     """The error code of the GOAWAY the server sent before it closed (``None``: none came)."""
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
+    client = h2_client()
     deadline = time.monotonic() + timeout
     try:
         while (left := deadline - time.monotonic()) > 0:
@@ -160,7 +134,7 @@ def test_a_clients_start_and_keep_alive_pings_are_within_the_budget(
 ) -> None:
     """What a real client sends that asks for nothing is far inside the budget."""
     server = start("--http2")
-    conn = _h2_client()
+    conn = h2_client()
     for i in range(20):
         conn.ping(b"%08d" % i)
         conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100 + i})
@@ -268,16 +242,11 @@ def test_http2_streams_opened_while_the_connection_closes_all_stop(
     body = json.dumps(
         {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": LONG}}
     ).encode()
-    head = [(":method", "POST"), (":path", "/generate"), (":scheme", "http"), (":authority", "x")]
     for _ in range(5):
-        conn = _h2_client()
-        for i in range(50):
-            conn.send_headers(2 * i + 1, [*head, ("content-type", "application/json")])
-            conn.send_data(2 * i + 1, body, end_stream=True)
         sock = connect(server)
-        sock.sendall(conn.data_to_send())
+        sock.sendall(h2_requests("x", 50, body))
         time.sleep(0.02)
-        _reset(sock)
+        reset(sock)
     server.wait_idle(IDLE_TIMEOUT)
     server.assert_clean_exit()
 

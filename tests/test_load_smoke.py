@@ -248,7 +248,7 @@ def test_a_zero_window_client_grants_no_window_and_opens_its_streams(load: Any) 
     import h2.events
     import h2.settings
 
-    preface = load.hostile.zero_window_preface("127.0.0.1:1", "m", "hi", 1024, 3)
+    preface = load.hostile.zero_window_preface("127.0.0.1:1", "hi", 1024, 3)
     assert preface.startswith(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
     server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
     server.initiate_connection()
