@@ -75,6 +75,7 @@ from urllib.parse import urlsplit
 import trio
 
 from _hostile_clients import flood_preface, h2_requests, reset, unread
+from _leaving_client import post_head
 from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = [
@@ -187,20 +188,15 @@ class HostileTally:
     fanout: Counter[str] = field(default_factory=Counter)
 
 
+def _authority(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
 def _address(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     assert parts.hostname is not None, url
     assert parts.port is not None, url
     return parts.hostname, parts.port
-
-
-def _post(address: tuple[str, int], path: str, body: bytes) -> bytes:
-    """A request's head: HTTP/1.1, with the body's length."""
-    host, port = address
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
 
 
 async def _connect(
@@ -307,7 +303,7 @@ def _nonreader(
 ) -> Attempt:
     body = request_body("/v1/completions", f"non-reader {index}", shape.max_tokens, model=model)
     payload = json.dumps(body | {"n": shape.samples}).encode()
-    request = _post(address, "/v1/completions", payload) + payload
+    request = post_head(_authority(address), "/v1/completions", len(payload)) + payload
     return partial(_hold, address, request, "non-reader", shape, tally.nonreaders, tally)
 
 
@@ -321,7 +317,7 @@ def zero_window_preface(host: str, prompt: str, max_tokens: int, streams: int) -
 def _zero_window(
     index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
 ) -> Attempt:
-    host = f"{address[0]}:{address[1]}"
+    host = _authority(address)
     prompt = f"zero-window {index}"
     request = zero_window_preface(host, prompt, shape.zero_window_tokens, shape.streams)
     return partial(_hold, address, request, "zero-window", shape, tally.zero_window, tally)
@@ -369,7 +365,7 @@ def _pipeliner(
     streaming = index % 2 == 1
     body = request_body("/generate", f"pipeliner {index}", shape.max_tokens)
     payload = json.dumps(body | {"stream": streaming}).encode()
-    request = _post(address, "/generate", payload) + payload + b"G"
+    request = post_head(_authority(address), "/generate", len(payload)) + payload + b"G"
     stay = 0.5
     return partial(
         _leave_after, address, request, "pipeliner", streaming, stay, tally.pipelined, tally
@@ -394,7 +390,7 @@ async def _burst_then_reset(address: tuple[str, int], burst: bytes, tally: Hosti
 def _resetter(
     index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
 ) -> Attempt:
-    host = f"{address[0]}:{address[1]}"
+    host = _authority(address)
     body = request_body("/generate", f"resetter {index}", shape.max_tokens)
     burst = h2_requests(host, shape.burst_streams, json.dumps(body | {"stream": True}).encode())
     return partial(_burst_then_reset, address, burst, tally)
@@ -406,7 +402,7 @@ def _fanout(
     body = request_body("/generate", f"fan-out {index}", shape.max_tokens)
     sampling = body.get("sampling_params", {}) | {"n": shape.fanout_children}
     payload = json.dumps(body | {"stream": True, "sampling_params": sampling}).encode()
-    request = _post(address, "/generate", payload) + payload
+    request = post_head(_authority(address), "/generate", len(payload)) + payload
     return partial(_leave_after, address, request, "fan-out", True, 1.0, tally.fanout, tally)
 
 
@@ -458,7 +454,7 @@ def _trickler(
     length = math.ceil(4 * shape.read_timeout / shape.trickle_interval)
     prompt = f"trickler {index}" + " slow" * math.ceil(length / len(" slow"))
     body = json.dumps(request_body("/v1/completions", prompt, 1, model=model)).encode()
-    head = _post(address, "/v1/completions", body)
+    head = post_head(_authority(address), "/v1/completions", len(body))
     return partial(_trickle, address, head, body, shape, tally)
 
 

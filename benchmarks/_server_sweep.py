@@ -16,7 +16,6 @@ every few decode steps, so a figure is good to a few milliseconds.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +29,7 @@ import httpx
 from _http_servers_cpu import SLOW_PROMPT
 from _leaving_client import close_after
 from _stats import percentiles
-from _subprocesses import Process, free_port, healthy, wait_until
+from _subprocesses import Process, free_port, gauge, healthy, wait_until
 
 __all__ = [
     "SERVER_PHASES",
@@ -75,9 +74,7 @@ def _sglang_holds(url: str) -> Callable[[], int]:
 
 def _serve_holds(url: str) -> Callable[[], int]:
     def holds() -> int:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
-        match = re.search(r"^trio_sglang_scheduler_requests (\S+)$", text, re.MULTILINE)
-        return int(float(match.group(1))) if match else 0
+        return int(gauge(url, "trio_sglang_scheduler_requests") or 0)
 
     return holds
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from _http_servers_cpu import slow_down
-from _subprocesses import free_port, wait_until
+from _subprocesses import free_port, healthy, wait_until
 from trio_sglang_harness import HostedTokenizerManager, open_tokenizer_manager
 
 __all__ = ["main"]
@@ -140,7 +140,7 @@ def _sglang_server(hosted: HostedTokenizerManager) -> None:
         # what the start-up allocated, so that full collections skip it. Releases
         # before 0.5.17 call this without a warm-up before uvicorn listens.
         url = f"http://127.0.0.1:{port}"
-        wait_until(f"SGLang's server on {url} to answer", lambda: _answers(url), 60)
+        wait_until(f"SGLang's server on {url} to answer", lambda: healthy(url, timeout=2), 60)
         _freeze_gc(url)
         print(f"INFO serving sglang on {url}", flush=True)
 
@@ -159,14 +159,6 @@ def _freeze_gc(url: str) -> None:
     request = urllib.request.Request(f"{url}/freeze_gc", method="POST")
     with urllib.request.urlopen(request, timeout=30):
         pass
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":

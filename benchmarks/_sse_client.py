@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from _leaving_client import post_head
 from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = ["ENDED", "Reading", "Response", "cpu_seconds", "main", "reading_from"]
@@ -169,11 +170,7 @@ class _Clients:
         body = json.dumps(
             request_body(self._args.endpoint, "hello", tokens, model=self._args.model)
         ).encode()
-        head = (
-            f"POST {self._args.endpoint} HTTP/1.1\r\nhost: {self._host}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-        )
-        return head.encode() + body
+        return post_head(self._host, self._args.endpoint, len(body)) + body
 
     def open(self, index: int, tokens: int) -> None:
         sock = socket.create_connection(self._address, timeout=self._args.connect_timeout)

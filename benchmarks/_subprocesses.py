@@ -16,7 +16,9 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Process", "free_port", "healthy", "poll_until", "served_url", "wait_until"]
+import httpx
+
+__all__ = ["Process", "free_port", "gauge", "healthy", "poll_until", "served_url", "wait_until"]
 
 #: What ``serve`` (and the benchmarks' own HTTP servers) print once they listen.
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
@@ -45,6 +47,14 @@ def served_url(output: str) -> str | None:
     """The URL of the "serving MODEL on URL" line in ``output``, once it is there."""
     found = _SERVING.search(output)
     return None if found is None else found.group(1)
+
+
+def gauge(url: str, name: str, timeout: float = 5.0) -> float | None:
+    """The sample ``name`` (its labels written out, if it has any) of ``url``'s ``/metrics``;
+    None where the server shows none."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return None if found is None else float(found.group(1))
 
 
 def healthy(url: str, timeout: float = 30.0) -> bool:

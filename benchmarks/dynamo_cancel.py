@@ -51,10 +51,12 @@ from typing import Any
 import httpx
 
 from _dynamo_local import Deployment
+from _leaving_client import stream_then_leave
 from _output import write_json
 from _report_base import Column, columns_table
+from _sse_client import cpu_seconds
 from _stats import percentile, percentiles
-from _subprocesses import Process, free_port, poll_until
+from _subprocesses import Process, free_port, gauge, poll_until
 from _units import ms, ratio, times
 from _verdict import Target, judge_machine
 
@@ -137,11 +139,6 @@ class Probe:
         return poll_until(reading, RELEASE_TIMEOUT, poll=POLL_INTERVAL) is not None
 
 
-def _cpu_seconds(process: Process) -> float:
-    fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _machine_busy_seconds() -> float:
     """CPU seconds the whole machine has spent busy (``/proc/stat``: all but idle and iowait)."""
     fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -170,13 +167,10 @@ def _read_to_end(lines: Any) -> int:
 
 def sequential(url: str, model: str, probe: Probe, repeats: int, run: WorkerRun) -> None:
     for _ in range(repeats):
-        with httpx.stream("POST", f"{url}/v1/completions", json=_body(model, 100_000)) as stream:
-            lines = stream.iter_lines()
-            for _ in range(3):
-                next(line for line in lines if line.startswith("data: {"))
-            left = time.perf_counter()
+        body = _body(model, 100_000)
+        left = stream_then_leave(url, "/v1/completions", body, chunks=3, timeout=5.0)
         if probe.until(lambda live: live == 0, lambda live: None):
-            run.sequential_ms.append((time.perf_counter() - left) * 1000)
+            run.sequential_ms.append((time.monotonic() - left) * 1000)
         else:
             run.leaked += probe.live()
 
@@ -224,19 +218,12 @@ def cpu_per_token(
         with httpx.stream("POST", f"{url}/v1/completions", json=_body(model, tokens)) as stream:
             return _read_to_end(stream.iter_lines())
 
-    before = _cpu_seconds(process)
+    before = cpu_seconds(process.pid)
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         received = sum(pool.map(client, range(streams)))
-    spent = _cpu_seconds(process) - before
+    spent = cpu_seconds(process.pid) - before
     run.tokens_streamed = received
     run.cpu_us_per_token = spent / received * 1e6 if received else None
-
-
-def _sim_lost(metrics_url: str) -> int:
-    for line in httpx.get(metrics_url, timeout=5).text.splitlines():
-        if line.startswith('trio_sglang_sim_events_total{kind="abort_lost"}'):
-            return int(float(line.rsplit(" ", 1)[1]))
-    return 0
 
 
 def start_workers(deployment: Deployment) -> list[tuple[str, str, Process, int]]:
@@ -351,10 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {args.streams} streams x {tokens} tokens", file=sys.stderr)
             cpu_per_token(url, model, process, args.streams, tokens, run)
             if not name.startswith("plain"):
-                run.lost = _sim_lost(f"http://127.0.0.1:{port}/metrics")
+                lost = 'trio_sglang_sim_events_total{kind="abort_lost"}'
+                run.lost = int(gauge(f"http://127.0.0.1:{port}", lost) or 0)
             run.leaked += probe.live()
         for process in deployment.processes:
-            children_cpu += _cpu_seconds(process)
+            children_cpu += cpu_seconds(process.pid)
     wall = time.perf_counter() - started_at
     own = (time.process_time() - cpu_at + children_cpu) / wall
     # Ours are many processes and threads, so the load average after the run

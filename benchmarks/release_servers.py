@@ -24,7 +24,6 @@ A request left decoding is let run to its end before the next client.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ import httpx
 from _http_servers_cpu import SLOW_PROMPT
 from _leaving_client import close_after
 from _output import write_json
-from _subprocesses import Process, healthy, served_url, wait_until
+from _subprocesses import Process, gauge, healthy, served_url, wait_until
 from trio_sglang_harness import logged_since
 
 HERE = Path(__file__).resolve().parent
@@ -68,9 +67,7 @@ class Server:
     def states(self) -> int:
         if self.name == "sglang-server":
             return int(httpx.get(f"{self.url}/trio_sglang/states", timeout=5).json()["states"])
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        found = re.search(r"^trio_sglang_engine_live_requests (\S+)$", text, re.MULTILINE)
-        return int(float(found.group(1))) if found else 0
+        return int(gauge(self.url, "trio_sglang_engine_live_requests") or 0)
 
 
 @contextmanager

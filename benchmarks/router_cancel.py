@@ -42,12 +42,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
-
 from _leaving_client import drain, post_raw, read_until
 from _output import table, write_json
 from _serve_processes import start_router, start_workers
-from _subprocesses import poll_until
+from _subprocesses import gauge, poll_until
 
 __all__ = ["Config", "Trial", "main", "run_benchmark"]
 
@@ -125,11 +123,10 @@ def start_setups(stack: contextlib.ExitStack, log_dir: Path, config: Config) -> 
 
 def live(worker: str) -> float:
     """``trio_sglang_engine_live_requests`` from the worker's ``/metrics``."""
-    text = httpx.get(f"{worker}/metrics", timeout=IO_TIMEOUT).text
-    for line in text.splitlines():
-        if line.startswith("trio_sglang_engine_live_requests "):
-            return float(line.split()[1])
-    raise RuntimeError(f"{worker}/metrics has no trio_sglang_engine_live_requests")
+    value = gauge(worker, "trio_sglang_engine_live_requests", IO_TIMEOUT)
+    if value is None:
+        raise RuntimeError(f"{worker}/metrics has no trio_sglang_engine_live_requests")
+    return value
 
 
 def wait_idle(worker: str, timeout: float) -> float | None:

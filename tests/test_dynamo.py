@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +31,7 @@ import httpx
 import pytest
 
 from _dynamo_workers import RELEASE_BOUND, Worker, run_readme_block, start_worker
+from _leaving_client import stream_then_leave
 from _processes import wait_until
 from _readme import ROOT, readme_block
 
@@ -187,7 +187,7 @@ def test_capabilities_are_published_with_the_registration(deployment: Any, worke
 # -- clients that leave --------------------------------------------------------
 
 
-def stream_then_leave(
+def leave_a_long_stream(
     url: str, model: str, chunks: int, *, after: float = 0.0, route: str = "completions"
 ) -> None:
     """Open a long stream, read ``chunks`` events (or wait ``after`` s), then close."""
@@ -196,16 +196,7 @@ def stream_then_leave(
         body["prompt"] = "the a"
     else:
         body["messages"] = [{"role": "user", "content": "the a"}]
-    with httpx.stream("POST", f"{url}/v1/{route}", json=body, timeout=30) as response:
-        assert response.status_code == 200
-        if chunks:
-            seen = 0
-            for line in response.iter_lines():
-                seen += line.startswith("data: {")
-                if seen == chunks:
-                    break
-        else:
-            time.sleep(after)
+    stream_then_leave(url, f"/v1/{route}", body, chunks=chunks, after=after)
 
 
 def test_clients_leaving_before_the_first_token_and_mid_stream_stop_the_engine(
@@ -220,12 +211,12 @@ def test_clients_leaving_before_the_first_token_and_mid_stream_stop_the_engine(
         "0.01",
     )
     try:
-        stream_then_leave(deployment.url, worker.model, 0, after=0.3)
+        leave_a_long_stream(deployment.url, worker.model, 0, after=0.3)
         wait_until("released before the first token", lambda: worker.live() == 0, RELEASE_BOUND)
         assert worker.sample("trio_sglang_cancellations_total", phase="before_first_token") == 1
         assert worker.events("token") == 0
 
-        stream_then_leave(deployment.url, worker.model, 5)
+        leave_a_long_stream(deployment.url, worker.model, 5)
         wait_until("released mid-stream", lambda: worker.live() == 0, RELEASE_BOUND)
         assert worker.sample("trio_sglang_cancellations_total", phase="mid_stream") == 1
         assert worker.events("token") < 3000 / 4
@@ -337,7 +328,7 @@ def test_text_mode_a_client_leaving_mid_stream_stops_the_engine(
 ) -> None:
     mid_stream = text_worker.sample("trio_sglang_cancellations_total", phase="mid_stream")
     tokens = text_worker.events("token")
-    stream_then_leave(deployment.url, text_worker.model, 5, route="chat/completions")
+    leave_a_long_stream(deployment.url, text_worker.model, 5, route="chat/completions")
     wait_until("released mid-stream", lambda: text_worker.live() == 0, RELEASE_BOUND)
     after = text_worker.sample("trio_sglang_cancellations_total", phase="mid_stream")
     assert after == mid_stream + 1

@@ -12,13 +12,13 @@ real-engine`` installs SGLang, Dynamo's runtime and its frontend together.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from _processes import gauge, wait_until
 from _readme import ROOT
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
@@ -49,31 +49,35 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, 
             command = running.trio_worker_command(MODEL, port, "--model-path", str(model))
             command += ["--engine", "sglang", "--device", "cpu"]
             running.start_worker(MODEL, command, MODEL, timeout=240)
-            yield running, f"http://127.0.0.1:{port}/metrics"
+            yield running, f"http://127.0.0.1:{port}"
 
 
 def sample(metrics: str, name: str) -> float:
-    for line in httpx.get(metrics, timeout=5).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"the worker's metrics have no {name}")
+    value = gauge(metrics, name)
+    assert value is not None, f"the worker's metrics have no {name}"
+    return value
 
 
 def idle_within(metrics: str, bound: float) -> None:
-    started = time.monotonic()
-    while sample(metrics, "trio_sglang_scheduler_requests") or sample(
-        metrics, "trio_sglang_engine_live_requests"
-    ):
-        assert time.monotonic() - started < bound, "the real scheduler still holds a request"
-        time.sleep(0.01)
+    wait_until(
+        "the real scheduler to hold no request",
+        lambda: (
+            not (
+                sample(metrics, "trio_sglang_scheduler_requests")
+                or sample(metrics, "trio_sglang_engine_live_requests")
+            )
+        ),
+        bound,
+    )
 
 
 def decoding_within(metrics: str, bound: float) -> None:
     """Until the scheduler publishes that it runs the request (it publishes every few steps)."""
-    started = time.monotonic()
-    while sample(metrics, "trio_sglang_scheduler_requests") != 1:
-        assert time.monotonic() - started < bound, "the scheduler never showed the request"
-        time.sleep(0.01)
+    wait_until(
+        "the scheduler to show the request",
+        lambda: sample(metrics, "trio_sglang_scheduler_requests") == 1,
+        bound,
+    )
 
 
 def test_a_completion_through_dynamos_frontend_on_the_real_engine(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +23,8 @@ pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-e
 
 import psutil  # one of SGLang's requirements
 
-from _processes import Process, start_workers
+from _processes import Process, start_workers, wait_until
+from _processes import gauge as read_gauge
 from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
@@ -64,10 +64,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, 
 
 
 def gauge(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert match is not None, f"/metrics has no {name}"
-    return float(match.group(1))
+    value = read_gauge(url, name)
+    assert value is not None, f"/metrics has no {name}"
+    return value
 
 
 def scheduler_holds(url: str) -> float:
@@ -76,19 +75,16 @@ def scheduler_holds(url: str) -> float:
 
 def wait_idle(url: str, within: float) -> float:
     """Seconds until the scheduler and the tokenizer side hold nothing; fails after ``within``."""
-    started = time.monotonic()
-    while scheduler_holds(url) or gauge(url, "trio_sglang_engine_live_requests"):
-        assert time.monotonic() - started < within, "the real scheduler still holds a request"
-        time.sleep(0.01)
-    return time.monotonic() - started
+    return wait_until(
+        "the real scheduler to hold no request",
+        lambda: not (scheduler_holds(url) or gauge(url, "trio_sglang_engine_live_requests")),
+        within,
+    )
 
 
 def decoding_within(url: str, within: float) -> None:
     """Until the scheduler publishes that it runs the request (it publishes every few steps)."""
-    started = time.monotonic()
-    while scheduler_holds(url) != 1:
-        assert time.monotonic() - started < within, "the scheduler never showed the request"
-        time.sleep(0.01)
+    wait_until("the scheduler to show the request", lambda: scheduler_holds(url) == 1, within)
 
 
 def events(response: httpx.Response) -> Iterator[dict[str, Any]]:
