@@ -74,7 +74,7 @@ def _sglang_holds(url: str) -> Callable[[], int]:
 
 def _serve_holds(url: str) -> Callable[[], int]:
     def holds() -> int:
-        return int(gauge(url, "trio_sglang_scheduler_requests") or 0)
+        return int(gauge(url, "trio_sglang_scheduler_requests", default=0))
 
     return holds
 

@@ -49,12 +49,16 @@ def served_url(output: str) -> str | None:
     return None if found is None else found.group(1)
 
 
-def gauge(url: str, name: str, timeout: float = 5.0) -> float | None:
+def gauge(url: str, name: str, *, default: float | None = None, timeout: float = 5.0) -> float:
     """The sample ``name`` (its labels written out, if it has any) of ``url``'s ``/metrics``;
-    None where the server shows none."""
+    ``default`` where the server shows none (None: a server that must show it)."""
     text = httpx.get(f"{url}/metrics", timeout=timeout).text
     found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    return None if found is None else float(found.group(1))
+    if found is not None:
+        return float(found.group(1))
+    if default is None:
+        raise AssertionError(f"{url}/metrics has no {name}")
+    return default
 
 
 def healthy(url: str, timeout: float = 30.0) -> bool:

@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_per_token(url, model, process, args.streams, tokens, run)
             if not name.startswith("plain"):
                 lost = 'trio_sglang_sim_events_total{kind="abort_lost"}'
-                run.lost = int(gauge(f"http://127.0.0.1:{port}", lost) or 0)
+                run.lost = int(gauge(f"http://127.0.0.1:{port}", lost, default=0))
             run.leaked += probe.live()
         for process in deployment.processes:
             children_cpu += cpu_seconds(process.pid)

@@ -27,13 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from _leaving_client import close_after
 from _missed_aborts import MISSED
 from _output import write_json
 from _server_sweep import Server, started, watch
 from _stats import percentiles
+from _subprocesses import gauge
 
 __all__ = ["MAX_NEW_TOKENS", "leave", "main", "missed", "run"]
 
@@ -55,9 +54,8 @@ def missed(log: Path) -> int:
 
 def resent(server: Server) -> int:
     """``serve``'s count of requests whose abort it sent again (``abort_missed`` faults)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=5).text
-    found = re.search(r'^trio_sglang_engine_faults_total\{kind="abort_missed"\} (\S+)$', text, re.M)
-    return int(float(found.group(1))) if found else 0
+    missed = 'trio_sglang_engine_faults_total{kind="abort_missed"}'
+    return int(gauge(server.url, missed, default=0))
 
 
 def run(model: Path, folder: Path, cancels: int) -> list[dict[str, Any]]:

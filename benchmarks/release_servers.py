@@ -67,7 +67,7 @@ class Server:
     def states(self) -> int:
         if self.name == "sglang-server":
             return int(httpx.get(f"{self.url}/trio_sglang/states", timeout=5).json()["states"])
-        return int(gauge(self.url, "trio_sglang_engine_live_requests") or 0)
+        return int(gauge(self.url, "trio_sglang_engine_live_requests", default=0))
 
 
 @contextmanager

@@ -123,10 +123,7 @@ def start_setups(stack: contextlib.ExitStack, log_dir: Path, config: Config) -> 
 
 def live(worker: str) -> float:
     """``trio_sglang_engine_live_requests`` from the worker's ``/metrics``."""
-    value = gauge(worker, "trio_sglang_engine_live_requests", IO_TIMEOUT)
-    if value is None:
-        raise RuntimeError(f"{worker}/metrics has no trio_sglang_engine_live_requests")
-    return value
+    return gauge(worker, "trio_sglang_engine_live_requests", timeout=IO_TIMEOUT)
 
 
 def wait_idle(worker: str, timeout: float) -> float | None:

@@ -1,10 +1,10 @@
 """Two ``trio-sglang serve`` workers behind a router, and what the router tests read of them.
 
 The clusters (``running_cluster``), each router's measured ``Behaviour``, the
-workers' metrics, the clients that stream, leave or send a raw request, and
-the SSE heartbeat reader. The tests are ``test_router.py`` (streams, leaving
-clients and heartbeats) and ``test_router_pd.py`` (a prefill/decode pair in
-the router's PD mode).
+workers' metrics, the clients that stream or leave, and the SSE heartbeat
+reader. The tests are ``test_router.py`` (streams, leaving clients and
+heartbeats) and ``test_router_pd.py`` (a prefill/decode pair in the router's
+PD mode).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import pytest
 from prometheus_client import parser
 
 from _processes import ROUTERS, Process, start_router, start_workers, wait_until
-from _processes import post_raw as raw_post
 
 #: The SimEngine's seconds per decoded token on both workers: slow, so streams stay open.
 TOKEN_INTERVAL = 0.2
@@ -275,12 +274,6 @@ def let_go(workers: list[str], left: float, bound: float, what: str) -> float:
     """Poll until no worker holds a request, at most ``bound`` s; the seconds since ``left``."""
     wait_until(what, lambda: all(live(worker) == 0 for worker in workers), bound)
     return time.monotonic() - left
-
-
-def post_raw(url: str, path: str, body: dict[str, Any]) -> socket.socket:
-    """POST over a socket of its own and read nothing: a client that can leave at any moment,
-    with or without an answer (``close()``)."""
-    return raw_post(url, path, body, TIMEOUT)
 
 
 def nothing_received(sock: socket.socket) -> bool:

@@ -52,19 +52,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, 
             yield running, f"http://127.0.0.1:{port}"
 
 
-def sample(metrics: str, name: str) -> float:
-    value = gauge(metrics, name)
-    assert value is not None, f"the worker's metrics have no {name}"
-    return value
-
-
 def idle_within(metrics: str, bound: float) -> None:
     wait_until(
         "the real scheduler to hold no request",
         lambda: (
             not (
-                sample(metrics, "trio_sglang_scheduler_requests")
-                or sample(metrics, "trio_sglang_engine_live_requests")
+                gauge(metrics, "trio_sglang_scheduler_requests")
+                or gauge(metrics, "trio_sglang_engine_live_requests")
             )
         ),
         bound,
@@ -75,7 +69,7 @@ def decoding_within(metrics: str, bound: float) -> None:
     """Until the scheduler publishes that it runs the request (it publishes every few steps)."""
     wait_until(
         "the scheduler to show the request",
-        lambda: sample(metrics, "trio_sglang_scheduler_requests") == 1,
+        lambda: gauge(metrics, "trio_sglang_scheduler_requests") == 1,
         bound,
     )
 
@@ -109,7 +103,7 @@ def test_a_client_leaving_at_the_frontend_stops_the_real_scheduler(
         next(data), next(data), next(data)
         decoding_within(metrics, STOPPED_WITHIN)  # for the client, still here
     idle_within(metrics, STOPPED_WITHIN)
-    assert sample(metrics, 'trio_sglang_cancellations_total{phase="mid_stream"}') == 1
+    assert gauge(metrics, 'trio_sglang_cancellations_total{phase="mid_stream"}') == 1
 
 
 def test_the_worker_publishes_the_real_engines_capabilities(deployment: tuple[Any, str]) -> None:

@@ -23,8 +23,7 @@ pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-e
 
 import psutil  # one of SGLang's requirements
 
-from _processes import Process, start_workers, wait_until
-from _processes import gauge as read_gauge
+from _processes import Process, gauge, start_workers, wait_until
 from trio_sglang_harness import build_tiny_model
 
 pytestmark = pytest.mark.real_engine
@@ -61,12 +60,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, 
         yield process, url
     finally:
         process.stop(timeout=30)
-
-
-def gauge(url: str, name: str) -> float:
-    value = read_gauge(url, name)
-    assert value is not None, f"/metrics has no {name}"
-    return value
 
 
 def scheduler_holds(url: str) -> float:

@@ -67,7 +67,7 @@ import openai
 import pytest
 
 import _router_cluster
-from _processes import wait_until
+from _processes import post_raw, wait_until
 from _router_cluster import (
     CANCEL_BOUND,
     FIRST_TOKEN_DELAY,
@@ -92,7 +92,6 @@ from _router_cluster import (
     live,
     nothing_received,
     open_streams,
-    post_raw,
     require_ok,
     running_cluster,
     sim_events,
@@ -263,7 +262,7 @@ def test_behind_the_router_a_non_streaming_client_that_leaves_is_let_go_at_once(
     cancellations = "trio_sglang_cancellations_total"
     before = sum(counts(waiting, cancellations, phase="before_first_token"))
     body = {**generate_body(LONG), "stream": False}
-    with contextlib.closing(post_raw(waiting.router, "/generate", body)) as sock:
+    with contextlib.closing(post_raw(waiting.router, "/generate", body, TIMEOUT)) as sock:
         wait_until(
             "a worker holds the request",
             lambda: sum(live(worker) for worker in waiting.workers) == 1,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 import _router_cluster
-from _processes import Process, start_router, start_workers, wait_until
+from _processes import Process, post_raw, start_router, start_workers, wait_until
 from _router_cluster import (
     BEHAVIOURS,
     HEARTBEAT_BOUND,
@@ -36,7 +36,6 @@ from _router_cluster import (
     nothing_received,
     open_streams,
     pd_registered,
-    post_raw,
     scrape,
 )
 
@@ -138,7 +137,7 @@ def test_behind_the_router_in_pd_mode_a_client_gone_during_a_long_prefill_stops_
     aborted_requests = metric(scrape(pd.prefill), requests, outcome="aborted")
     chunks, aborted, failed, sent = (pd.events(kind) for kind in PD_PREFILL_EVENTS)
     body = {**generate_body(50), "text": PD_PROMPT}
-    with contextlib.closing(post_raw(pd.router, "/generate", body)) as sock:
+    with contextlib.closing(post_raw(pd.router, "/generate", body, TIMEOUT)) as sock:
         wait_until(
             "the prefill computing, the decode server holding the request",
             lambda: pd.events("prefill_chunk")[0] > chunks[0] and live(pd.decode) == 1,
@@ -175,13 +174,13 @@ def test_behind_the_router_in_pd_mode_a_client_whose_prefill_waits_in_the_queue_
     wait_until("both servers idle", lambda: pd_idle(pd), TIMEOUT)
     chunks = pd.events("prefill_chunk")[0]
     body = {**generate_body(50), "text": PD_PROMPT}
-    with contextlib.closing(post_raw(pd.router, "/generate", body)) as first:
+    with contextlib.closing(post_raw(pd.router, "/generate", body, TIMEOUT)) as first:
         wait_until(
             "the first prompt prefilling",
             lambda: pd.events("prefill_chunk")[0] > chunks,
             TIMEOUT,
         )
-        with contextlib.closing(post_raw(pd.router, "/generate", body)):
+        with contextlib.closing(post_raw(pd.router, "/generate", body, TIMEOUT)):
             wait_until(
                 "both requests at both servers",
                 lambda: live(pd.prefill) == 2 and live(pd.decode) == 2,
