@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from _dynamo_local import loopback_env
-from _subprocesses import Process, free_ports, wait_until
+from _subprocesses import Process, free_ports, healthy, wait_until
 
 __all__ = ["PLANES", "Daemons", "cluster_env", "open_daemons"]
 
@@ -87,7 +87,7 @@ class Daemons:
         ]
         started = len(list(self.folder.glob("etcd-*.log")))
         self._etcd = Process("etcd", command, self.folder / f"etcd-{started}.log")
-        wait_until("etcd to answer", self._etcd_healthy, 30, self._etcd)
+        wait_until("etcd to answer", lambda: healthy(self.etcd_url, timeout=2), 30, self._etcd)
 
     def stop_etcd(self) -> None:
         if self._etcd is not None:
@@ -110,12 +110,6 @@ class Daemons:
         }
         answer = httpx.post(f"{self.etcd_url}/v3/kv/range", json=body, timeout=5).json()
         return int(answer.get("count", 0))
-
-    def _etcd_healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.etcd_url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
 
 
 @contextmanager

@@ -14,9 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import httpx
-
-from _subprocesses import Process, free_port, wait_until
+from _subprocesses import Process, answer_json, free_port, wait_until
 
 __all__ = ["Deployment", "local_env", "loopback_env"]
 
@@ -93,13 +91,8 @@ class Deployment:
         return process
 
     def _models(self) -> list[str] | None:
-        try:
-            response = httpx.get(f"{self.url}/v1/models", timeout=2)
-        except httpx.TransportError:
-            return None
-        if response.status_code != 200:
-            return None
-        return [model["id"] for model in response.json().get("data", ())]
+        listing = answer_json(f"{self.url}/v1/models")
+        return None if listing is None else [model["id"] for model in listing.get("data", ())]
 
     def close(self) -> None:
         """Workers first (they unregister), then the frontend; every process reaped."""

@@ -11,11 +11,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import httpx
-
-from _subprocesses import Process, free_ports, healthy, served_url, wait_until
+from _subprocesses import Process, answer_json, free_ports, healthy, served_url, wait_until
 
 __all__ = ["ROUTERS", "start_router", "start_workers"]
 
@@ -26,14 +23,6 @@ ROUTERS: dict[str, tuple[str, ...]] = {
     "sglang-router": ("sglang_router.launch_router",),
     "smg": ("smg", "launch"),
 }
-
-
-def _get_json(url: str) -> Any:
-    try:
-        response = httpx.get(url, timeout=2)
-        return response.json() if response.status_code == 200 else None
-    except (httpx.TransportError, ValueError):  # not up yet, or not JSON
-        return None
 
 
 def _wait_serving(process: Process, timeout: float) -> str:
@@ -96,7 +85,7 @@ def start_router(
     url = f"http://127.0.0.1:{port}"
 
     def all_registered() -> bool:
-        listing = _get_json(f"{url}/workers")
+        listing = answer_json(f"{url}/workers")
         if not isinstance(listing, dict):
             return False
         listed = {w.get("url") for w in listing.get("workers", []) if w.get("is_healthy")}

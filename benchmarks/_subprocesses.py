@@ -15,10 +15,20 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-__all__ = ["Process", "free_port", "gauge", "healthy", "poll_until", "served_url", "wait_until"]
+__all__ = [
+    "Process",
+    "answer_json",
+    "free_port",
+    "gauge",
+    "healthy",
+    "poll_until",
+    "served_url",
+    "wait_until",
+]
 
 #: What ``serve`` (and the benchmarks' own HTTP servers) print once they listen.
 _SERVING = re.compile(r"serving \S+ on (http://\S+)")
@@ -47,6 +57,15 @@ def served_url(output: str) -> str | None:
     """The URL of the "serving MODEL on URL" line in ``output``, once it is there."""
     found = _SERVING.search(output)
     return None if found is None else found.group(1)
+
+
+def answer_json(url: str) -> Any:
+    """What ``url`` answers, as JSON, once it answers with 200 (None before)."""
+    try:
+        response = httpx.get(url, timeout=2)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.TransportError, ValueError):  # not up yet, or not JSON
+        return None
 
 
 def gauge(url: str, name: str, *, default: float | None = None, timeout: float = 5.0) -> float:

@@ -14,11 +14,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _leaving_client import post_raw
 from _serve_processes import ROUTERS, start_router, start_workers
-from _subprocesses import Process, free_port, free_ports, gauge, healthy, served_url, wait_until
+from _subprocesses import (
+    Process,
+    answer_json,
+    free_port,
+    free_ports,
+    gauge,
+    healthy,
+    served_url,
+    wait_until,
+)
 
 __all__ = [
     "ROUTERS",
     "Process",
+    "answer_json",
     "free_port",
     "free_ports",
     "gauge",

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from prometheus_client import parser
 
-from _processes import ROUTERS, Process, start_router, start_workers, wait_until
+from _processes import ROUTERS, Process, answer_json, start_router, start_workers, wait_until
 
 #: The SimEngine's seconds per decoded token on both workers: slow, so streams stay open.
 TOKEN_INTERVAL = 0.2
@@ -290,9 +290,7 @@ def nothing_received(sock: socket.socket) -> bool:
 
 def pd_registered(router: str, roles: dict[str, str]) -> bool:
     """Whether the router lists each URL as a healthy worker of its role."""
-    try:
-        workers = httpx.get(f"{router}/workers", timeout=2).json()["workers"]
-    except (httpx.TransportError, ValueError, KeyError):
-        return False
+    listing = answer_json(f"{router}/workers")
+    workers = listing.get("workers", []) if isinstance(listing, dict) else []
     healthy = {w["url"]: w["worker_type"] for w in workers if w.get("is_healthy")}
     return all(healthy.get(url) == role for url, role in roles.items())
