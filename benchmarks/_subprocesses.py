@@ -1,7 +1,10 @@
 """Subprocesses for tests and benchmarks: each logs to a file, and every wait is bounded.
 
 No pipe to fill up, and ``stop`` always ends with the process reaped:
-SIGTERM, then SIGKILL. The multi-worker tests import it too
+SIGTERM, then SIGKILL. No event announces another process's state either,
+so it is polled, through one loop (``poll_until``, and ``wait_until`` that
+fails at its bound) over the few probes here (``healthy``, ``gauge``,
+``answer_json``). The multi-worker tests import it too
 (``tests/_processes.py``), so that one copy of this exists.
 """
 
