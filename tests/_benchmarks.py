@@ -1,17 +1,16 @@
 """The benchmarks' modules, imported by the tests as the scripts import them.
 
 A script in ``benchmarks/`` runs with that folder on ``sys.path`` and imports
-its siblings by bare name (``import _report``), so a test module that tests
-one puts the folder there too. It stays there only while the module-scoped
-fixture lives, so that a test module which did not ask for it cannot import a
-benchmark's module by accident; the tests of a module that did may import the
-siblings by bare name, as the scripts do.
+its siblings by bare name (``import _report``); pytest puts the folder there
+for the tests too (``pythonpath`` in pyproject.toml). A test module takes a
+benchmark's module through a fixture, so that collecting the tests imports
+none of them (some bring matplotlib, or Dynamo).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -22,7 +21,7 @@ __all__ = ["BENCHMARKS", "benchmark_fixture"]
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def benchmark_fixture(module: str) -> Callable[[], Iterator[ModuleType]]:
+def benchmark_fixture(module: str) -> Callable[[], ModuleType]:
     """A module-scoped fixture that gives ``benchmarks/MODULE.py``, imported.
 
     Bind it to the fixture's name in the test module:
@@ -30,9 +29,7 @@ def benchmark_fixture(module: str) -> Callable[[], Iterator[ModuleType]]:
     """
 
     @pytest.fixture(scope="module")
-    def imported() -> Iterator[ModuleType]:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.syspath_prepend(str(BENCHMARKS))
-            yield importlib.import_module(module)
+    def imported() -> ModuleType:
+        return importlib.import_module(module)
 
     return imported

@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 from prometheus_client import parser
 
-import _processes  # noqa: F401  (puts benchmarks/ on the path)
 from _hostile_clients import unread
 from _processes import Process, served_url, wait_until
 

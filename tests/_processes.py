@@ -7,11 +7,6 @@ is bounded, and ``stop`` always reaps.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
 from _leaving_client import post_raw
 from _serve_processes import ROUTERS, start_router, start_workers
 from _subprocesses import (

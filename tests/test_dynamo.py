@@ -37,7 +37,6 @@ from _readme import ROOT, readme_block
 
 pytest.importorskip("dynamo.runtime", reason="needs the dynamo extra (nox -s dynamo)")
 
-BENCHMARKS = ROOT / "benchmarks"
 
 pytestmark = pytest.mark.dynamo
 
@@ -45,19 +44,17 @@ WORKER = (sys.executable, "-m", "trio_sglang", "dynamo-worker")
 
 
 @pytest.fixture(scope="module")
-def local() -> Iterator[Any]:
+def local() -> Any:
     """The benchmarks' local Dynamo deployment and subprocesses, imported as they import them."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        import _dynamo_local
-        import _subprocesses
+    import _dynamo_local
+    import _subprocesses
 
-        yield SimpleNamespace(
-            Deployment=_dynamo_local.Deployment,
-            Process=_subprocesses.Process,
-            free_port=_subprocesses.free_port,
-            wait_until=_subprocesses.wait_until,
-        )
+    return SimpleNamespace(
+        Deployment=_dynamo_local.Deployment,
+        Process=_subprocesses.Process,
+        free_port=_subprocesses.free_port,
+        wait_until=_subprocesses.wait_until,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,6 @@ import trio
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s sglang`")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
 from _load_server import ServerProcess, open_server
 
 pytestmark = pytest.mark.sglang

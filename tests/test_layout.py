@@ -165,6 +165,13 @@ def test_the_package_root_holds_few_modules_and_no_two_modules_share_a_name() ->
     assert shared == {}, f"modules that share a name: {shared}"
 
 
+def test_no_test_helper_shares_a_name_with_a_benchmark_module() -> None:
+    """The tests import the benchmarks' modules by bare name, beside their own helpers."""
+    tests = {path.name for path in Path(__file__).parent.glob("*.py")}
+    benchmarks = {path.name for path in BENCHMARKS.glob("*.py")}
+    assert sorted(tests & benchmarks) == []
+
+
 def _module_name(path: Path, root: Path) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

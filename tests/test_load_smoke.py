@@ -20,8 +20,6 @@ import math
 import random
 import sys
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,34 +30,31 @@ import trio.testing
 import trio_sglang as ts
 from trio_sglang.server import ServerMetrics
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 INF = math.inf
 
 
 @pytest.fixture(scope="module")
-def load() -> Iterator[Any]:
+def load() -> Any:
     """The runner's modules, imported from benchmarks/ as the script imports them."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        import _load_bad_peer
-        import _load_clients
-        import _load_config
-        import _load_hostile
-        import _load_metrics
-        import _load_report
-        import _output
-        import load as runner
+    import _load_bad_peer
+    import _load_clients
+    import _load_config
+    import _load_hostile
+    import _load_metrics
+    import _load_report
+    import _output
+    import load as runner
 
-        yield SimpleNamespace(
-            bad_peer=_load_bad_peer,
-            clients=_load_clients,
-            config=_load_config,
-            hostile=_load_hostile,
-            metrics=_load_metrics,
-            report=_load_report,
-            progress=_output.Progress,
-            runner=runner,
-        )
+    return SimpleNamespace(
+        bad_peer=_load_bad_peer,
+        clients=_load_clients,
+        config=_load_config,
+        hostile=_load_hostile,
+        metrics=_load_metrics,
+        report=_load_report,
+        progress=_output.Progress,
+        runner=runner,
+    )
 
 
 # -- one vocabulary of phases -------------------------------------------------------

@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from _processes import gauge, wait_until
-from _readme import ROOT
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 pytest.importorskip("dynamo.frontend", reason="needs Dynamo's frontend: run `nox -s real-engine`")
@@ -38,18 +37,16 @@ STOPPED_WITHIN = 3.0
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
     folder = tmp_path_factory.mktemp("real-engine-dynamo")
     model = build_tiny_model(folder / "tiny-llama")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT / "benchmarks"))
-        from _dynamo_local import Deployment
-        from _subprocesses import free_port
+    from _dynamo_local import Deployment
+    from _subprocesses import free_port
 
-        with Deployment(folder) as running:
-            running.start_frontend()
-            port = free_port()
-            command = running.trio_worker_command(MODEL, port, "--model-path", str(model))
-            command += ["--engine", "sglang", "--device", "cpu"]
-            running.start_worker(MODEL, command, MODEL, timeout=240)
-            yield running, f"http://127.0.0.1:{port}"
+    with Deployment(folder) as running:
+        running.start_frontend()
+        port = free_port()
+        command = running.trio_worker_command(MODEL, port, "--model-path", str(model))
+        command += ["--engine", "sglang", "--device", "cpu"]
+        running.start_worker(MODEL, command, MODEL, timeout=240)
+        yield running, f"http://127.0.0.1:{port}"
 
 
 def idle_within(metrics: str, bound: float) -> None:

@@ -20,7 +20,6 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
-import _processes  # noqa: F401  (puts benchmarks/ on the path)
 import missed_aborts as bench
 from _server_sweep import started, watch
 from trio_sglang_harness import build_tiny_model

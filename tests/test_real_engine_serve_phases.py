@@ -18,8 +18,6 @@ from typing import Any
 
 import pytest
 
-from _readme import ROOT
-
 pytest.importorskip("sglang", reason="needs the sglang extra: run `nox -s real-engine`")
 
 from trio_sglang_harness import build_tiny_model
@@ -28,12 +26,10 @@ pytestmark = pytest.mark.real_engine
 
 
 @pytest.fixture(scope="module")
-def sweep() -> Iterator[Any]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT / "benchmarks"))
-        import _server_sweep
+def sweep() -> Any:
+    import _server_sweep
 
-        yield _server_sweep
+    return _server_sweep
 
 
 @pytest.fixture(scope="module")

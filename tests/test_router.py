@@ -483,7 +483,6 @@ def test_the_router_cancel_benchmark_runs_and_prints_its_table(
 ) -> None:
     """A tiny run of the benchmark (a trial a cell, 0.5 s waits): every trial ends, the table
     has its four rows; no timing is asserted."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import router_cancel
 
     args = ["--repeat", "1", "--first-token-delay", "0.5", "--token-gap", "0.5", "--dwell", "0.1"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,27 +20,23 @@ from typing import Any
 import pytest
 import trio
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def bench() -> Iterator[Any]:
+def bench() -> Any:
     """The benchmark's modules, imported from benchmarks/ as the script imports them."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        import _output
-        import _sse_client
-        import _sse_floor
-        import _throughput_report
-        import serve_throughput
+    import _output
+    import _sse_client
+    import _sse_floor
+    import _throughput_report
+    import serve_throughput
 
-        yield SimpleNamespace(
-            client=_sse_client,
-            floor=_sse_floor,
-            runner=serve_throughput,
-            output=_output,
-            report=_throughput_report,
-        )
+    return SimpleNamespace(
+        client=_sse_client,
+        floor=_sse_floor,
+        runner=serve_throughput,
+        output=_output,
+        report=_throughput_report,
+    )
 
 
 EVENTS = [
