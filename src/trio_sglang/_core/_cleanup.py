@@ -1,7 +1,7 @@
 """One request's engine side once its caller has gone: ``Cleanup``, and the ordered abort.
 
 A request whose caller left while the engine may still hold it gets a
-``Cleanup``, made by its ``Lifecycle`` then (one the engine let go of gets
+``Cleanup``, made by its ``ResponseStream`` then (one the engine let go of gets
 none). Each task of it runs in the worker's ``CleanupGroup``, bounded by the
 request's cleanup deadline (``AbortPolicy.cleanup_timeout`` from the caller's
 leaving) and every wait inside by its own ``AbortPolicy`` bound; the last
@@ -65,7 +65,7 @@ Args = TypeVarTuple("Args")
 
 
 class Stoppable(Protocol):
-    """The request a ``Cleanup`` stops, as it sees it (its ``Lifecycle``)."""
+    """The request a ``Cleanup`` stops, as it sees it (its ``ResponseStream``)."""
 
     @property
     def stream(self) -> EngineStream: ...
