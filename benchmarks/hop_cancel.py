@@ -17,6 +17,7 @@ a FIN and with a reset), ``--clients`` of each, 8 at once, and reads each
 release from the worker's own gauges. The table: per setup, every release's
 p50 / p99 / max, what was leaked or failed, and the p50 and p99 as ratios to
 the direct worker's from the same run. The setups run one after another.
+``router_cancel.py`` runs its own clients through ``behind_router`` and ``bench``.
 """
 
 from __future__ import annotations
@@ -68,14 +69,17 @@ def direct(log_dir: Path) -> Iterator[Setup]:
 
 
 @contextlib.contextmanager
-def behind_router(log_dir: Path, router: str) -> Iterator[Setup]:
-    ((worker, worker_url),) = start_workers([f"{router}-worker"], log_dir)
+def behind_router(log_dir: Path, router: str, *worker_args: str) -> Iterator[tuple[Setup, Setup]]:
+    """A worker (``serve WORKER_ARGS``) behind ``router``: the setup through the router, and
+    the same worker reached directly, so that a run beside it differs only by the hop."""
+    ((worker, worker_url),) = start_workers([f"{router}-worker"], log_dir, *worker_args)
     processes = [worker]
+    metrics = [f"{worker_url}/metrics"]
     try:
         args = ("--log-level", "warn")
         process, url = start_router(log_dir, [worker_url], *args, watched=[worker], router=router)
         processes.append(process)
-        yield Setup(router, url, [f"{worker_url}/metrics"])
+        yield Setup(router, url, metrics), Setup("direct", worker_url, metrics)
     finally:
         for process in reversed(processes):
             process.stop()
@@ -94,11 +98,15 @@ def behind_dynamo(log_dir: Path, daemons: Daemons, planes: tuple[str, str]) -> I
         yield Setup(f"dynamo {'/'.join(planes)}", url, [f"http://127.0.0.1:{port}/metrics"], model)
 
 
-def bench(setup: Setup, out: Path, clients: int) -> Report:
-    """One bench-endpoint run against ``setup``; its report."""
+#: How this benchmark's clients leave: in every way, 8 at once, on the completions route.
+EVERY_WAY = ("--api", "openai-completions", "--phases", *LEAVING, "--concurrency", "8")
+
+
+def bench(setup: Setup, out: Path, clients: int, leaving: Sequence[str] = EVERY_WAY) -> Report:
+    """One bench-endpoint run against ``setup``, ``clients`` per phase, ``leaving`` the
+    options that say how they leave; its report."""
     command = [sys.executable, "-m", "trio_sglang", "bench-endpoint", "--url", setup.url]
-    command += ["--api", "openai-completions", "--phases", *LEAVING]
-    command += ["--requests", str(clients), "--concurrency", "8", "--json", str(out)]
+    command += [*leaving, "--requests", str(clients), "--json", str(out)]
     command += [arg for url in setup.metrics for arg in ("--metrics-url", url)]
     if setup.model is not None:
         command += ["--model", setup.model]
@@ -120,7 +128,7 @@ def run(clients: int, planes: Sequence[tuple[str, str]], work: Path) -> dict[str
     with direct(work) as setup:
         measure(setup)
     for router in ROUTED:
-        with behind_router(work, router) as setup:
+        with behind_router(work, router) as (setup, _):
             measure(setup)
     (work / "daemons").mkdir()
     with open_daemons(work / "daemons") as daemons:
