@@ -403,8 +403,8 @@ def load(session: nox.Session) -> None:
 def router_cancel(session: nox.Session) -> None:
     """Behind sglang-router: a client leaving to the worker letting go, SSE heartbeats on and off.
 
-    About a minute (``-- --quick``: about 17 s); options after ``--`` go to
-    ``benchmarks/router_cancel.py``.
+    With bench-endpoint's clients; about 2 min (``-- --quick``: under a minute); options after
+    ``--`` go to ``benchmarks/router_cancel.py``.
     """
     install(session, "serve", "router", "bench")
     session.run("python", "benchmarks/router_cancel.py", *session.posargs)

@@ -1,64 +1,67 @@
 """Behind sglang-router: from a streaming client leaving to the worker letting go.
 
     python benchmarks/router_cancel.py [--quick] [--repeat 5] [--first-token-delay 5]
-        [--token-gap 2] [--heartbeat 0.1] [--dwell 0.5] [--seed 0] [--json PATH]
+        [--token-gap 2] [--heartbeat 0.1] [--json PATH]
 
 sglang-router sends a worker no abort when its client leaves: once it has
 answered a stream, it notices only when it next writes to the client, then
 drops its connection to the worker, which cancels the request at once. So
 without heartbeats a client that leaves before the first token holds the
 worker until that token, and one that leaves in a gap until the next token;
-with ``--sse-heartbeat`` the worker writes an SSE comment into every silence
+with ``--sse-heartbeat`` the worker writes two blank lines into every silence
 of that length, and the router notices at the next one.
 
-Runs as a user runs it, on loopback: ``trio-sglang serve`` workers on the
-SimEngine (``python -m trio_sglang serve``), each behind its own
-``python -m sglang_router.launch_router``, one pair per timing and heartbeat
-setting: a worker whose first token comes ``--first-token-delay`` after the
-request (the client leaves before it), and one with ``--token-gap`` between
-tokens (the client leaves in the gap after the first). A client is a raw
-socket: it sends a streaming ``/generate``, reads until the headers (or the
-first token), stays ``--dwell`` seconds plus a random share of a heartbeat
-interval, reads what has come, and closes (a FIN). The time measured runs
-from that close until the worker's ``/metrics`` says its engine holds
-nothing (``trio_sglang_engine_live_requests``, polled), through the router
-and, as the reference, to the worker directly. Each trial waits for the
-worker to be idle first; every wait is bounded. The table on stdout,
-progress on stderr, every trial in ``--json PATH``; exit status 1 if a
-trial did not end (the worker never let go within its bound).
+A ``bench-endpoint`` scenario: this script deploys (with ``hop_cancel.py``'s
+``behind_router``) and tabulates; ``trio-sglang bench-endpoint`` sends the
+clients and reads each release from the worker's ``/metrics``. Per heartbeat
+setting (``--heartbeat``, and off), two ``trio-sglang serve`` workers on the
+SimEngine, one after another, each behind its own sglang-router on loopback:
+one whose first token comes ``--first-token-delay`` after the request, whose
+clients leave before it (``before_first_token:close``, half that delay in),
+and one with ``--token-gap`` between tokens, whose clients leave in the gap
+after the first (``mid_stream:close``, right after it). ``--repeat`` clients
+go through the router, then as many to the worker directly (the reference),
+one at a time: each release is then the only drop of the gauge in its wave,
+and each client finds the worker idle, so none waits on another's release.
+A client leaves at a set moment, not at a random one of a heartbeat interval:
+mid-stream, right after a token, the next heartbeat is a whole interval away;
+before the first token, how far it is depends on the delay.
+
+Table on stdout, progress on stderr, each cell's releases in ``--json PATH``;
+exit status 1 if a request was leaked (still held after both delays and a
+margin) or failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import random
-import socket
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _leaving_client import drain, post_raw, read_until
 from _output import table, write_json
-from _serve_processes import start_router, start_workers
-from _subprocesses import gauge, poll_until
+from _units import ms
+from hop_cancel import behind_router, bench
+from trio_sglang.bench_endpoint._report import PhaseResult, percentile
 
-__all__ = ["Config", "Trial", "main", "run_benchmark"]
+__all__ = ["Config", "main", "run_benchmark"]
 
-#: A socket read, a scrape.
-IO_TIMEOUT = 10.0
-#: Tokens a request asks for: it never ends on its own within a trial.
-LONG = 10_000
-PHASES = ("before_first_token", "mid_stream")
+#: The columns: how the clients leave, one worker timing each.
+PHASES = ("before_first_token:close", "mid_stream:close")
 VIAS = ("router", "direct")
+#: Beyond both delays, how long a release may take before it counts as leaked.
+SETTLE_MARGIN = 10.0
+
+#: A cell's key: the heartbeat interval (0: off), the way in, the phase.
+Cell = tuple[float, str, str]
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    #: Clients per cell.
     repeat: int = 5
     #: Seconds from a request to its first token on the before-the-first-token worker.
     first_token_delay: float = 5.0
@@ -66,165 +69,86 @@ class Config:
     token_gap: float = 2.0
     #: ``--sse-heartbeat`` of the workers with heartbeats on.
     heartbeat: float = 0.1
-    #: How long a client stays after the headers (or the first token) before it leaves,
-    #: plus a random share of a heartbeat interval (so that it leaves at any moment of one).
-    dwell: float = 0.5
-    seed: int = 0
+
+    @property
+    def leave_delay(self) -> float:
+        """Seconds from sending to leaving before the first token: half its delay, clear of
+        both the headers and the token."""
+        return self.first_token_delay / 2
 
 
 QUICK = Config(repeat=2, first_token_delay=2.0, token_gap=1.0)
 
 
-@dataclass(slots=True)
-class Trial:
-    heartbeat: float
-    via: str
-    phase: str
-    #: Seconds from the client's close to the worker holding nothing; None: never, within the bound.
-    let_go: float | None
-
-
-# -- processes ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Setup:
-    heartbeat: float
-    phase: str
-    worker: str
-    router: str
-
-
-def start_setups(stack: contextlib.ExitStack, log_dir: Path, config: Config) -> list[Setup]:
-    """A worker behind a router of its own per heartbeat setting and phase, stopped with
-    ``stack`` (each router before its worker)."""
+def worker_args(config: Config, phase: str, heartbeat: float) -> tuple[str, ...]:
+    """``serve``'s options for ``phase``: a silence long enough to leave in, before the first
+    token or between two."""
     timing = {
-        "before_first_token": ("--sim-first-token-delay", str(config.first_token_delay)),
-        "mid_stream": ("--sim-token-interval", str(config.token_gap)),
+        "before_first_token:close": ("--sim-first-token-delay", f"{config.first_token_delay:g}"),
+        "mid_stream:close": ("--sim-token-interval", f"{config.token_gap:g}"),
     }
-    setups = []
+    return (*timing[phase], "--sse-heartbeat", f"{heartbeat:g}")
+
+
+def leaving(config: Config, phase: str) -> tuple[str, ...]:
+    """bench-endpoint's options for ``phase``. Mid-stream a client leaves after one token, at
+    the start of the gap. The settle outlasts a release held to the next token (the first
+    one, or the end of the gap), so that one is measured, not counted as leaked."""
+    settle = config.first_token_delay + config.token_gap + SETTLE_MARGIN
+    return (
+        *("--api", "sglang-generate", "--phases", phase, "--concurrency", "1"),
+        *("--leave-delay", f"{config.leave_delay:g}", "--mid-stream-chunks", "1"),
+        *("--settle", f"{settle:g}"),
+    )
+
+
+def run_benchmark(
+    config: Config, work: Path, progress: Callable[[str], None]
+) -> dict[Cell, PhaseResult]:
+    """Each worker in turn, stopped before the next starts: its cells through the router and
+    direct."""
+    cells: dict[Cell, PhaseResult] = {}
     for heartbeat in (config.heartbeat, 0.0):
         for phase in PHASES:
-            name = f"{phase}-{heartbeat:g}"
-            folder = log_dir / name  # a router logs to its own name: one folder per setup
-            folder.mkdir()
-            args = (*timing[phase], "--sse-heartbeat", str(heartbeat))
-            ((worker, url),) = start_workers([f"worker-{name}"], folder, *args)
-            stack.callback(worker.stop)
-            router_args = ("--policy", "round_robin", "--log-level", "warn")
-            router, router_url = start_router(folder, [url], *router_args, watched=[worker])
-            stack.callback(router.stop)
-            setups.append(Setup(heartbeat, phase, url, router_url))
-    return setups
-
-
-# -- one trial --------------------------------------------------------------------------------
-
-
-def live(worker: str) -> float:
-    """``trio_sglang_engine_live_requests`` from the worker's ``/metrics``."""
-    return gauge(worker, "trio_sglang_engine_live_requests", timeout=IO_TIMEOUT)
-
-
-def wait_idle(worker: str, timeout: float) -> float | None:
-    """Poll until the worker's engine holds nothing; the seconds it took (None: not in time)."""
-    return poll_until(lambda: live(worker) == 0, timeout, poll=0.002)
-
-
-def stream(url: str) -> socket.socket:
-    """A streaming ``/generate`` over a socket of its own."""
-    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": LONG}}
-    return post_raw(url, "/generate", body, IO_TIMEOUT)
-
-
-def trial(url: str, worker: str, phase: str, dwell: float, bound: float) -> float | None:
-    """One client through ``url`` to ``worker``: it leaves in ``phase``, ``dwell`` s after the
-    headers (or the first token); the seconds until the worker let go."""
-    if wait_idle(worker, bound) is None:
-        raise RuntimeError(f"{worker} still holds a request from an earlier trial")
-    sock = stream(url)
-    try:
-        read_until(sock, b"\r\n\r\n" if phase == "before_first_token" else b"data: ")
-        time.sleep(dwell)
-        drain(sock)
-    finally:
-        left = time.monotonic()
-        sock.close()
-    took = wait_idle(worker, bound)
-    return None if took is None else time.monotonic() - left
-
-
-# -- the run ------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Report:
-    config: Config
-    trials: list[Trial] = field(default_factory=list)
-
-    def cell(self, heartbeat: float, via: str, phase: str) -> list[float | None]:
-        return [
-            t.let_go
-            for t in self.trials
-            if (t.heartbeat, t.via, t.phase) == (heartbeat, via, phase)
-        ]
-
-    @property
-    def failed(self) -> int:
-        return sum(t.let_go is None for t in self.trials)
-
-
-def run_benchmark(config: Config, progress: Callable[[str], None]) -> Report:
-    report = Report(config)
-    rng = random.Random(config.seed)
-    # Long enough for the slowest expected release (the next token), with room.
-    bound = config.first_token_delay + config.token_gap + 10.0
-    with contextlib.ExitStack() as stack:
-        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="router-cancel-")))
-        setups = start_setups(stack, log_dir, config)
-        progress(f"{len(setups)} workers, each behind its own router: started")
-        for setup in setups:
-            heartbeat, phase, worker = setup.heartbeat, setup.phase, setup.worker
-            for via, url in (("router", setup.router), ("direct", worker)):
-                for _ in range(config.repeat):
-                    dwell = config.dwell + rng.uniform(0, config.heartbeat)
-                    took = trial(url, worker, phase, dwell, bound)
-                    report.trials.append(Trial(heartbeat, via, phase, took))
-                shown = ", ".join(
-                    "never" if t is None else f"{t:.3f}" for t in report.cell(heartbeat, via, phase)
-                )
-                progress(f"{_heartbeats(heartbeat)}, {via}, {phase}: {shown}")
-    return report
+            folder = work / f"{phase.partition(':')[0]}-{heartbeat:g}"
+            folder.mkdir()  # the router and its worker log to fixed names: a folder each
+            args = worker_args(config, phase, heartbeat)
+            with behind_router(folder, "sglang-router", *args) as setups:
+                for via, setup in zip(VIAS, setups, strict=True):
+                    out = folder / f"{via}.json"
+                    (result,) = bench(setup, out, config.repeat, leaving(config, phase)).phases
+                    cells[heartbeat, via, phase] = result
+                    progress(f"{_heartbeats(heartbeat)}, {via}, {phase}: {_cell(result)}")
+    return cells
 
 
 def _heartbeats(interval: float) -> str:
     return "heartbeats off" if interval == 0 else f"heartbeats {interval:g} s"
 
 
-def _seconds(values: list[float | None]) -> str:
-    if not values:
-        return "-"
-    if any(v is None for v in values):
-        return f"never ({sum(v is None for v in values)} of {len(values)})"
-    done = [v for v in values if v is not None]
-    return f"{statistics.median(done):.3f} / {max(done):.3f}"
+def _cell(result: PhaseResult) -> str:
+    """p50 / max, then what was leaked or failed, if anything."""
+    released = result.release_ms
+    shown = f"{ms(percentile(released, 0.5))} / {ms(max(released))}" if released else "-"
+    lost = [
+        f"{word} {n}" for word, n in (("leaked", result.leaked), ("failed", result.failed)) if n
+    ]
+    return ", ".join([shown, *lost])
 
 
-def format_report(report: Report) -> str:
-    c = report.config
+def format_table(config: Config, cells: dict[Cell, PhaseResult]) -> str:
     heads = (
-        f"before the first token (due {c.first_token_delay:g} s in)",
-        f"mid-stream ({c.token_gap:g} s between tokens)",
+        f"before the first token (due {config.first_token_delay:g} s in)",
+        f"mid-stream ({config.token_gap:g} s between tokens)",
     )
-    rows = []
-    for heartbeat in (c.heartbeat, 0.0):
-        for via in VIAS:
-            label = f"{_heartbeats(heartbeat)}, {via}"
-            rows.append((label, *(_seconds(report.cell(heartbeat, via, p)) for p in PHASES)))
+    rows = [
+        (f"{_heartbeats(heartbeat)}, {via}", *(_cell(cells[heartbeat, via, p]) for p in PHASES))
+        for heartbeat in (config.heartbeat, 0.0)
+        for via in VIAS
+    ]
     lines = [
-        f"client leaves -> the worker holds nothing, seconds (median / max of {c.repeat});",
-        f"it leaves {c.dwell:g} to {c.dwell + c.heartbeat:g} s after the headers "
-        "(or the first token)",
+        f"client leaves -> the worker holds nothing, ms (p50 / max of {config.repeat});",
+        f"it leaves {config.leave_delay:g} s after sending, or at the first token",
         *table(("", *heads), rows, align="lll"),
     ]
     return "\n".join(lines)
@@ -234,17 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     defaults = Config()
     parser.add_argument(
-        "--quick", action="store_true", help="2 repetitions, a 2 s first token, 1 s gaps"
+        "--quick", action="store_true", help="2 clients a cell, a 2 s first token, 1 s gaps"
     )
-    parser.add_argument("--repeat", type=int, help=f"trials per cell (default {defaults.repeat})")
+    parser.add_argument("--repeat", type=int, help=f"clients per cell (default {defaults.repeat})")
     parser.add_argument(
         "--first-token-delay", type=float, help=f"default {defaults.first_token_delay}"
     )
     parser.add_argument("--token-gap", type=float, help=f"default {defaults.token_gap}")
     parser.add_argument("--heartbeat", type=float, help=f"default {defaults.heartbeat}")
-    parser.add_argument("--dwell", type=float, help=f"default {defaults.dwell}")
-    parser.add_argument("--seed", type=int, help="of the leave moments (default 0)")
-    parser.add_argument("--json", type=Path, help="write every trial here")
+    parser.add_argument("--json", type=Path, help="write every cell's releases here")
     return parser
 
 
@@ -253,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = QUICK if args.quick else Config()
     given = {
         name: getattr(args, name)
-        for name in ("repeat", "first_token_delay", "token_gap", "heartbeat", "dwell", "seed")
+        for name in ("repeat", "first_token_delay", "token_gap", "heartbeat")
         if getattr(args, name) is not None
     }
     config = Config(**{**asdict(base), **given})
@@ -264,14 +186,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     started = time.monotonic()
-    report = run_benchmark(config, progress)
-    print(format_report(report))
+    with tempfile.TemporaryDirectory(prefix="router-cancel-") as work:
+        cells = run_benchmark(config, Path(work), progress)
+    print(format_table(config, cells))
     print(f"runtime {time.monotonic() - started:.1f} s")
     if args.json is not None:
-        data = {"config": asdict(config), "trials": [asdict(t) for t in report.trials]}
-        write_json(args.json, data)
+        data = {
+            f"{_heartbeats(heartbeat)}, {via}, {phase}": {
+                "release_ms": result.release_ms,
+                "leaked": result.leaked,
+                "failed": result.failed,
+            }
+            for (heartbeat, via, phase), result in cells.items()
+        }
+        write_json(args.json, {"config": asdict(config), "cells": data})
         print(f"wrote {args.json}")
-    return 1 if report.failed else 0
+    return 1 if any(r.leaked or r.failed for r in cells.values()) else 0
 
 
 if __name__ == "__main__":

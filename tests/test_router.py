@@ -481,11 +481,11 @@ def test_clients_see_the_same_chunks_with_heartbeats_on_and_off(
 def test_the_router_cancel_benchmark_runs_and_prints_its_table(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A tiny run of the benchmark (a trial a cell, 0.5 s waits): every trial ends, the table
-    has its four rows; no timing is asserted."""
+    """A tiny run of the benchmark (a client a cell, 0.5 s waits): nothing is leaked or fails,
+    the table has its four rows; no timing is asserted."""
     import router_cancel
 
-    args = ["--repeat", "1", "--first-token-delay", "0.5", "--token-gap", "0.5", "--dwell", "0.1"]
+    args = ["--repeat", "1", "--first-token-delay", "0.5", "--token-gap", "0.5"]
     assert router_cancel.main(args) == 0
     table = capsys.readouterr().out.splitlines()
     rows = [line for line in table if line.startswith("heartbeats")]
@@ -495,4 +495,4 @@ def test_the_router_cancel_benchmark_runs_and_prints_its_table(
         "heartbeats off, router",
         "heartbeats off, direct",
     ]
-    assert "never" not in "\n".join(rows)
+    assert not any(word in row for row in rows for word in ("leaked", "failed")), rows
