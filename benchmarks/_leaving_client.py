@@ -11,7 +11,6 @@ function of its own here.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["close_after", "drain", "post_head", "post_raw", "read_until", "stream_then_leave"]
+__all__ = ["close_after", "post_head", "post_raw", "stream_then_leave"]
 
 
 def post_raw(url: str, path: str, body: dict[str, Any], timeout: float) -> socket.socket:
@@ -52,26 +51,6 @@ def close_after(url: str, body: dict[str, Any], after: float, chunks: int) -> fl
                 break
             seen += received
         return time.monotonic()
-
-
-def read_until(sock: socket.socket, marker: bytes) -> None:
-    """Read until ``marker`` came (the headers' end, a first event) of a 200 answer."""
-    received = b""
-    while marker not in received:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise RuntimeError(f"the stream ended before {marker!r}: {received[-500:]!r}")
-        received += chunk
-    if not received.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"not a 200: {received[:500]!r}")
-
-
-def drain(sock: socket.socket) -> None:
-    """Read what has come, so that the close is a FIN (a client that read all it was sent)."""
-    sock.setblocking(False)
-    with contextlib.suppress(BlockingIOError):
-        while sock.recv(65536):
-            pass
 
 
 def stream_then_leave(
