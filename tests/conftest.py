@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -77,6 +77,11 @@ async def read(
             if chunks == leave_after:
                 break
     return chunks
+
+
+def unchecked(request: object, output: object) -> NoReturn:
+    """``Shared.check`` for a request a test builds by hand: never asked, as nothing opens it."""
+    raise AssertionError("a request built by hand is never checked")
 
 
 class Recorder:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
 import trio_sglang as ts
-from conftest import HELLO, LONG, Recorder, fault_records, read, slow_sim
+from conftest import HELLO, LONG, Recorder, fault_records, read, slow_sim, unchecked
 from trio_sglang._core._cleanup import Cleanup
 from trio_sglang._core._cleanup_group import CleanupGroup, open_cleanup_group
 from trio_sglang._core._lifecycle import Event, ResponseStream, State
@@ -132,10 +132,6 @@ def lifecycle(
     request = ResponseStream(shared, {}, ts.RequestContext("pub"), "tokens")
     request._start(SlowAbortStream(engine), PublicIds("pub"), rids)
     return request
-
-
-def unchecked(request: object, output: object) -> NoReturn:
-    raise AssertionError("a request built by hand is never checked")
 
 
 def cleanup_of(life: ResponseStream) -> Cleanup:

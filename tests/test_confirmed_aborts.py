@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
 import trio_sglang as ts
-from conftest import SLOW_KNOBS, Recorder, read, slow_sim
+from conftest import SLOW_KNOBS, Recorder, read, slow_sim, unchecked
 from trio_sglang._core._cleanup import Cleanup
 from trio_sglang._core._cleanup_group import open_cleanup_group
 from trio_sglang._core._drain import Drain
@@ -278,10 +278,6 @@ class Request:
 
     def stopped(self) -> None:
         return None
-
-
-def unchecked(request: object, output: object) -> NoReturn:
-    raise AssertionError("no request is opened here")
 
 
 async def confirm_abort(
