@@ -53,6 +53,7 @@ from trio_sglang._asyncio_bridge._asyncio_side import LOOP_KINDS
 from trio_sglang._asyncio_bridge._guest import run_beside_asyncio
 
 from ._chat import observe_chat
+from ._exit import exit_at_once
 from ._peer import DisaggSetup
 from ._protocol import ANSWER
 from ._scenarios import (
@@ -336,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
             hosted.templates,
             args.dynamo,
         )
+    # The stand-in scheduler has exited; the whole engine (above) is left to its own
+    # shutdown and the interpreter's, as SGLang may finish stopping its processes there.
+    exit_at_once(0)
 
 
 async def _serve_made(

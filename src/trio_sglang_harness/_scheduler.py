@@ -7,8 +7,13 @@ on the same ZMQ sockets and speaks SGLang's own messages, so the cancellation
 lifecycle can be tested against the real TokenizerManager on a CPU-only
 machine::
 
-    python -m trio_sglang_harness._scheduler --input IPC --output IPC \\
-        --first-token-delay S --token-interval S --log PATH [--disagg JSON]
+    python -m trio_sglang_harness._scheduler --first-token-delay S \\
+        --token-interval S --log PATH [--disagg JSON]
+
+It reads its sockets from stdin, as one JSON line ``{"input": IPC, "output":
+IPC}``, once it has imported SGLang: so a parent starts it before the
+TokenizerManager has its sockets, and the two processes import SGLang (about
+ten seconds each) at once.
 
 It PULLs ``TokenizedGenerateReqInput`` and ``AbortReq`` from the tokenizer
 manager's ``scheduler_input_ipc_name`` and PUSHes ``BatchStrOutput`` and
@@ -55,6 +60,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
+from ._exit import exit_at_once
 from ._pd_queues import Exit, Queues, queues_for
 from ._peer import DisaggSetup
 from ._wire import batch_str_output, receive, round_trip, send
@@ -75,8 +81,6 @@ _SECONDS_PER_MS = 1e-3
 class Options:
     """The command line, checked: every duration is a finite number of seconds >= 0."""
 
-    input: str
-    output: str
     first_token_delay: float
     token_interval: float
     log: Path
@@ -166,8 +170,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         prog="python -m trio_sglang_harness._scheduler",
         description="Stand-in SGLang scheduler for the real TokenizerManager (testing only).",
     )
-    parser.add_argument("--input", required=True, help="the scheduler_input_ipc_name to PULL from")
-    parser.add_argument("--output", required=True, help="the tokenizer_ipc_name to PUSH to")
     parser.add_argument("--first-token-delay", type=_duration, required=True, metavar="S")
     parser.add_argument("--token-interval", type=_duration, required=True, metavar="S")
     parser.add_argument("--log", type=Path, required=True, help="JSON-lines event log (appended)")
@@ -180,8 +182,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     )
     ns = parser.parse_args(argv)
     return Options(
-        input=ns.input,
-        output=ns.output,
         first_token_delay=ns.first_token_delay,
         token_interval=ns.token_interval,
         log=ns.log,
@@ -197,13 +197,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = _EventLog(options.log)
     try:
         _self_test()  # before connecting: never put a message on the wire SGLang cannot decode
+        sockets = _sockets(sys.stdin)
         # Only now: until here (seconds of importing sglang) SIGTERM may kill outright,
         # as there is nothing to clean up yet.
         stop = _StopFlag()
         stop.install()
-        return _Scheduler(options, log, stop, parent).run()
+        return _Scheduler(options, sockets, log, stop, parent).run()
     finally:
         log.close()
+
+
+def _sockets(stdin: IO[str]) -> tuple[str, str]:
+    """The IPC names to PULL from and PUSH to, from the parent: the TokenizerManager's
+    ``scheduler_input_ipc_name`` and ``tokenizer_ipc_name``.
+
+    A parent that dies before naming them closes stdin, which ends the wait.
+    """
+    line = stdin.readline()
+    if not line:
+        raise SystemExit("stdin closed before the sockets were named")
+    named = json.loads(line)
+    return str(named["input"]), str(named["output"])
 
 
 def _self_test() -> None:
@@ -230,8 +244,17 @@ def _self_test() -> None:
 class _Scheduler:
     """The loop: take messages as they arrive, emit tokens as they fall due."""
 
-    def __init__(self, options: Options, log: _EventLog, stop: _StopFlag, parent: int) -> None:
+    def __init__(
+        self,
+        options: Options,
+        sockets: tuple[str, str],
+        log: _EventLog,
+        stop: _StopFlag,
+        parent: int,
+    ) -> None:
         self._options = options
+        #: The IPC names to PULL from and PUSH to.
+        self._sockets = sockets
         self._log = log
         self._stop = stop
         self._held: dict[str, _Held] = {}  # insertion order = arrival order
@@ -249,8 +272,8 @@ class _Scheduler:
         inbox = context.socket(zmq.PULL)
         outbox = context.socket(zmq.PUSH)
         try:
-            inbox.connect(self._options.input)
-            outbox.connect(self._options.output)
+            inbox.connect(self._sockets[0])
+            outbox.connect(self._sockets[1])
             self._log.write("ready", None, pid=os.getpid())
             reason = self._loop(inbox, outbox)
             queued = 0 if self._queues is None else len(self._queues.rids())
@@ -474,4 +497,4 @@ def _abort_echo(rid: str, http_worker_ipc: str | None, finished_reason: Any) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_at_once(main())  # the sockets and the log are closed

@@ -10,6 +10,7 @@ receive loop fails.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -63,20 +64,15 @@ def open_tokenizer_manager(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     model = build_tiny_model(workdir / "tiny-llama")
-    tm, templates, port_args = _tokenizer_manager(model, disagg, chat_template)
-    if tm.bootstrap_server is not None:
-        _wait_for_bootstrap_server(tm.server_args.disaggregation_bootstrap_port)
     log = workdir / f"scheduler-{os.getpid()}.jsonl"
     log.write_bytes(b"")
+    # Started first: it imports SGLang while this process builds the TokenizerManager,
+    # and is told the sockets once they exist.
     scheduler = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "trio_sglang_harness._scheduler",
-            "--input",
-            port_args.scheduler_input_ipc_name,
-            "--output",
-            port_args.tokenizer_ipc_name,
             "--first-token-delay",
             str(first_token_delay),
             "--token-interval",
@@ -84,9 +80,14 @@ def open_tokenizer_manager(
             "--log",
             str(log),
             *(() if disagg is None else ("--disagg", disagg.to_text())),
-        ]
+        ],
+        stdin=subprocess.PIPE,
     )
     try:
+        tm, templates, port_args = _tokenizer_manager(model, disagg, chat_template)
+        if tm.bootstrap_server is not None:
+            _wait_for_bootstrap_server(tm.server_args.disaggregation_bootstrap_port)
+        _name_sockets(scheduler, port_args)
         _wait_until_ready(scheduler, log)
         yield HostedTokenizerManager(tm, templates, port_args, log)
     finally:
@@ -95,6 +96,18 @@ def open_tokenizer_manager(
             scheduler.wait(timeout=5)
         except subprocess.TimeoutExpired:
             scheduler.kill()
+
+
+def _name_sockets(scheduler: subprocess.Popen[bytes], port_args: Any) -> None:
+    """Tell the scheduler where to PULL from and PUSH to; if it has died, ``_wait_until_ready``
+    says so."""
+    sockets = {"input": port_args.scheduler_input_ipc_name, "output": port_args.tokenizer_ipc_name}
+    assert scheduler.stdin is not None
+    try:
+        scheduler.stdin.write(json.dumps(sockets).encode() + b"\n")
+        scheduler.stdin.close()
+    except BrokenPipeError:
+        pass
 
 
 def _tokenizer_manager(
