@@ -27,7 +27,6 @@ benchmark runs SGLang's own HTTP server on it.
 
 from ._chat import ChatPrompts
 from ._harness import Caller, SGLangHarness, open_sglang_harness
-from ._host import logged_since
 from ._peer import DisaggSetup
 from ._scenarios import (
     CallerStream,
@@ -39,7 +38,7 @@ from ._scenarios import (
     sim_scheduler_events,
 )
 from ._tiny_model import build_tiny_model
-from ._tokenizer_manager import HostedTokenizerManager, open_tokenizer_manager
+from ._tokenizer_manager import HostedTokenizerManager, logged_since, open_tokenizer_manager
 
 __all__ = [
     "Caller",

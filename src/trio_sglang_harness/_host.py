@@ -67,7 +67,7 @@ from ._scenarios import (
 )
 from ._tap import SchedulerTap
 from ._tiny_model import build_tiny_model
-from ._tokenizer_manager import open_tokenizer_manager
+from ._tokenizer_manager import logged_since, open_tokenizer_manager
 
 if TYPE_CHECKING:
     from ._dynamo_handler import DynamoHandler
@@ -85,19 +85,6 @@ class _SchedulerView:
     watch: Callable[[], Watched] | None = None
     #: The scheduler's own count of what it still holds, once it settles (None: not known).
     held: Callable[[], Awaitable[int]] | None = None
-
-
-def logged_since(log: Path, offset: int) -> list[dict[str, Any]]:
-    """The stand-in scheduler's events in ``log`` from byte ``offset`` on: its complete lines.
-
-    The scheduler writes while this reads; a last line without its newline is
-    still being written, and is left for the next read.
-    """
-    with log.open("rb") as f:
-        f.seek(offset)
-        written = f.read()
-    complete = written[: written.rfind(b"\n") + 1]
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def _logged(log: Path, since: os.stat_result) -> list[dict[str, Any]]:

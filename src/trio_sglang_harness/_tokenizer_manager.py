@@ -26,7 +26,7 @@ from typing import Any
 from ._peer import DisaggSetup
 from ._tiny_model import build_tiny_model
 
-__all__ = ["HostedTokenizerManager", "open_tokenizer_manager"]
+__all__ = ["HostedTokenizerManager", "logged_since", "open_tokenizer_manager"]
 
 
 @dataclass(frozen=True)
@@ -182,3 +182,16 @@ def _wait_until_ready(scheduler: subprocess.Popen[bytes], log: Path, timeout: fl
         if time.monotonic() > deadline:
             raise TimeoutError("the stand-in scheduler did not start")
         time.sleep(0.05)
+
+
+def logged_since(log: Path, offset: int) -> list[dict[str, Any]]:
+    """The stand-in scheduler's events in ``log`` from byte ``offset`` on: its complete lines.
+
+    The scheduler writes while this reads; a last line without its newline is
+    still being written, and is left for the next read.
+    """
+    with log.open("rb") as f:
+        f.seek(offset)
+        written = f.read()
+    complete = written[: written.rfind(b"\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
