@@ -132,7 +132,8 @@ def sglang_matrix(session: nox.Session) -> None:
     pytest. torch and the rest are installed once, as for ``sglang``; each other
     release goes into a folder of its own (``pip --target``, 60 to 300 MB with
     the packages it needs) that is put first on ``PYTHONPATH``, for the harness's
-    processes too. About 4 min a release; stops at the first that fails.
+    processes too. 6 to 7 min a release on 2 cores, most of it opening the
+    GPU-free harness (about 12 s each); stops at the first that fails.
     """
     servers = "--servers" in session.posargs
     named = [arg for arg in session.posargs if re.fullmatch(r"\d+\.\d+\.\d+\S*", arg)]
