@@ -6,18 +6,18 @@ by ``SGLangEngine`` through trio-asyncio, against the stand-in scheduler
 (``trio_sglang_harness``). Both sides must agree on what the scheduler
 received and did, per request and in order; on what stayed registered; and
 on what the caller saw. Runs in ``nox -s sglang`` (marker ``sglang``), which
-installs SGLang's CPU-importable parts; real time, not MockClock.
+installs SGLang's CPU-importable parts. The real side runs in real time; the
+SimEngine's side runs on a MockClock, where its timing is exact and instant.
 
 The same holds in the prefill and the decode role (prefill/decode
-disaggregation), with the SimEngine's side on a MockClock there.
+disaggregation).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from functools import partial
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import trio
@@ -38,6 +38,8 @@ from trio_sglang_harness import (
 )
 
 pytestmark = pytest.mark.sglang
+
+T = TypeVar("T")
 
 FIRST_TOKEN_DELAY = 0.2
 TOKEN_INTERVAL = 0.05
@@ -111,6 +113,27 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sglang-harness")
 
 
+def on_mock_clock(observe: Callable[[], Awaitable[T]]) -> T:
+    """``observe()`` in a trio run of its own on a MockClock: the SimEngine's timing, exact and
+    instant (20 s of sleeps for ``SCENARIOS`` on the real clock), never starved by a harness."""
+    return trio.run(observe, clock=MockClock(autojump_threshold=0))
+
+
+async def _observe_scenarios_on_sim() -> dict[str, Observation]:
+    return {
+        scenario.name: await observe_on_sim(
+            scenario, first_token_delay=FIRST_TOKEN_DELAY, token_interval=TOKEN_INTERVAL
+        )
+        for scenario in SCENARIOS
+    }
+
+
+@pytest.fixture(scope="module")
+def on_sim() -> dict[str, Observation]:
+    """Every scenario of ``SCENARIOS`` on the SimEngine, once for both loops."""
+    return on_mock_clock(_observe_scenarios_on_sim)
+
+
 @pytest.fixture(params=LOOP_KINDS)
 async def harness(workdir: Path, request: pytest.FixtureRequest) -> AsyncIterator[SGLangHarness]:
     """The host on each asyncio loop ``serve --loop`` offers: the lifecycle holds on both."""
@@ -167,7 +190,9 @@ def without_repeats(scenario: Scenario, real: Observation, semantics: dict[str, 
             del events[-2:]
 
 
-async def test_the_sim_and_the_real_tokenizer_manager_agree(harness: SGLangHarness) -> None:
+async def test_the_sim_and_the_real_tokenizer_manager_agree(
+    harness: SGLangHarness, on_sim: dict[str, Observation]
+) -> None:
     from sglang.version import __version__
 
     engine = harness.capabilities["engine"]
@@ -180,9 +205,7 @@ async def test_the_sim_and_the_real_tokenizer_manager_agree(harness: SGLangHarne
     for scenario in SCENARIOS:
         with trio.fail_after(60):
             real = await harness.run_measured(scenario)
-        sim = await observe_on_sim(
-            scenario, first_token_delay=FIRST_TOKEN_DELAY, token_interval=TOKEN_INTERVAL
-        )
+        sim = on_sim[scenario.name]
         print(f"{scenario.name}: {comparable(real)}")
         without_repeats(scenario, real, semantics)
         assert real.registered_after == 0, (scenario.name, real)
@@ -317,8 +340,7 @@ async def test_the_sim_and_the_real_tokenizer_manager_agree_in_prefill_and_decod
     async with trio.open_nursery() as nursery:
         for setup in PD_SETUPS:
             nursery.start_soon(_observe_on_harness, workdir, setup, real)
-        on_mock_clock = partial(trio.run, _observe_on_sim, clock=MockClock(autojump_threshold=0))
-        sim = await trio.to_thread.run_sync(on_mock_clock)
+        sim = await trio.to_thread.run_sync(on_mock_clock, _observe_on_sim)
     disagreements = []
     for setup in PD_SETUPS:
         for scenario, expected in PD_SCENARIOS[setup.role]:
