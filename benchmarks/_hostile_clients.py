@@ -24,9 +24,15 @@ import trio
 __all__ = ["flood_preface", "h2_client", "h2_frame", "h2_requests", "reset", "unread"]
 
 
-def h2_client() -> h2.connection.H2Connection:
-    """An HTTP/2 client with prior knowledge, its preface and SETTINGS queued."""
+def h2_client(initial_window: int | None = None) -> h2.connection.H2Connection:
+    """An HTTP/2 client with prior knowledge, its preface and SETTINGS queued (granting
+    ``initial_window``, if given, as every stream's flow-control window)."""
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    if initial_window is not None:
+        conn.local_settings = h2.settings.Settings(
+            client=True,
+            initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window},
+        )
     conn.initiate_connection()
     return conn
 
@@ -42,12 +48,7 @@ def h2_requests(
     """An HTTP/2 client's first bytes: its preface, then ``streams`` requests, POSTs of
     ``body`` (GETs without one). ``zero_window``: SETTINGS grant an initial window of 0, so
     that a server speaking HTTP/2 can send no byte of any answer but its headers."""
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    if zero_window:
-        conn.local_settings = h2.settings.Settings(
-            client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
-        )
-    conn.initiate_connection()
+    conn = h2_client(0 if zero_window else None)
     method = "GET" if body is None else "POST"
     head = [(":method", method), (":path", path), (":scheme", "http"), (":authority", authority)]
     for stream_id in range(1, 2 * streams, 2):

@@ -1,44 +1,13 @@
 """The edge scenario's bad KV peers: a hostile prefill peer, a decode server that meets
 it, and the clients whose requests send the decode server there.
 
-A decode server (``--disaggregation-mode decode``) reads answers from other
-servers: its ``--prefill-url`` peer's ``/capabilities`` and ``/generate``
-(each request's prefill leg), and the KV rooms (SGLang's bootstrap server)
-at the address a request names, or at that peer for a request it gave a room
-itself. The **hostile peer** is all of these at once: a loopback trio server
-that answers ``/capabilities`` as a prefill server that can be cancelled at
-any time (else the decode server would not start, or would leave its legs
-running), and every other request with the next of ``ANSWERS``, in rotation:
-JSON nested 100,000 deep, a body that never ends, one that trickles, a gzip
-bomb (1 GiB of zeros in 1 MB), bytes that are not HTTP, JSON of the wrong
-shape, and no answer at all. It times how long the decode server kept each
-answer's connection: from the answer's start to the decode server hanging up.
-
-Why a decode server of its own, beside the load's server: only a decode
-server reaches peers (an aggregated one takes the bootstrap fields and never
-connects anywhere), and a decode server cannot serve the normal clients:
-without a prefill peer it refuses every request without bootstrap fields, and
-with a good prefill server in front every normal request would become two
-over HTTP, a load other than the baseline's. So the load's server stays as it
-is, and a decode server whose ``--prefill-url`` is the hostile peer runs
-beside it for the whole run (started before the baseline, so that its
-start-up does not land in the edge phase).
-
-A **bad-peer client** sends non-streaming ``/generate`` requests to the decode
-server, at most one every ``pace`` s, by each of ``ROUTES`` in turn: without
-bootstrap fields (the decode server runs the prefill leg at the peer, and
-waits for the KV cache in a room there), and with bootstrap fields naming the
-peer (the ``--prefill-url`` server's bootstrap address is allowed, as any in
-``--allowed-bootstrap-hosts`` is; only the KV rooms). Each request must end
-in one of ``EXPECTED``: a 502 (the prefill leg failed on a bad answer), or,
-where no bad answer ends it sooner (a hang, a trickle, the rooms, which the
-decode side polls again until it gives up), a 200 with ``finish_reason``
-abort once its wait for the KV cache runs out (``--sim-kv-wait-timeout``), as
-SGLang ends a decode request whose KV transfer failed.
-
-Every wait is bounded: a request, and a peer's answer, by ``bound``
-(reaching it is a finding, counted), the clients by a ``trio.fail_after``
-only a bug can reach; the peer serves in a nursery that ends with the run.
+What the peer answers, what the clients send, and why a decode server of its own beside
+the load's server: docs/benchmarks.md, "Hostile clients beside the load" (bad peers).
+``ANSWERS`` are also the answers of ``tests/test_peer_answers.py``'s peer: one copy, so
+that what the tests hold a decode server to is what the load test measures. Every wait is
+bounded: a request, and a peer's answer, by ``hold_bound`` (reaching it is a finding,
+counted), the clients by a ``trio.fail_after`` only a bug can reach; the peer serves in a
+nursery that ends with the run.
 """
 
 from __future__ import annotations
@@ -48,10 +17,10 @@ import itertools
 import json
 import random
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 from typing import Any, Literal
 
 import httpx
@@ -61,10 +30,11 @@ from _load_clients import http_client
 from _load_config import Config, EdgeConfig
 from _load_hostile import repeat
 from _load_metrics import Scrape
-from _load_report import exit_check, pairs, seconds, zero
+from _load_report import exit_check, pairs, zero
 from _load_server import ServerProcess, open_server
 from _output import wrap
 from _stats import percentiles
+from _units import seconds
 from _verdict import Target
 
 __all__ = [
@@ -72,8 +42,9 @@ __all__ = [
     "EXPECTED",
     "ROUTES",
     "BadPeerRun",
-    "BadPeerShape",
     "BadPeers",
+    "PeerAnswer",
+    "http_answer",
     "open_bad_peers",
 ]
 
@@ -95,110 +66,68 @@ _CAPABILITIES = json.dumps(
 ).encode()
 #: The most of a request's head the peer reads.
 _MAX_HEAD = 1 << 16
-#: A body that never ends: this much every ``_ENDLESS_EVERY`` s, past the decode
-#: server's 32 MiB bound on a prefill leg's answer within about 1.5 s.
-_ENDLESS_CHUNK = b"1," * (1 << 17)
-_ENDLESS_EVERY = 0.01
-_ENDLESS_CHUNKS = 1000
-#: A body that trickles: one byte every ``_TRICKLE_EVERY`` s, of ``_TRICKLE_BYTES``.
-_TRICKLE_EVERY = 0.1
-_TRICKLE_BYTES = 1000
 
 
-@dataclass(frozen=True, slots=True)
-class BadPeerShape:
-    """What the bad-peer clients and the decode server do; times in seconds."""
-
-    clients: int
-    #: No client sends a request after this; they start within ``ramp``.
-    duration: float
-    ramp: float
-    #: A client sends at most one request every ``pace``.
-    pace: float
-    #: The decode server's wait for a KV cache.
-    kv_wait_timeout: float
-    #: The longest a request, or a peer's answer, is waited for.
-    bound: float
-    seed: int
-
-    @classmethod
-    def for_edge(cls, edge: EdgeConfig, config: Config) -> BadPeerShape:
-        return cls(
-            clients=edge.bad_peers,
-            duration=config.duration,
-            ramp=config.ramp,
-            pace=edge.pace,
-            kv_wait_timeout=edge.kv_wait_timeout,
-            bound=edge.hold_bound,
-            seed=config.seed,
-        )
-
-    @property
-    def deadline(self) -> float:
-        """The most the clients can take: the last ones start just before the end."""
-        return self.duration + self.bound + self.pace + 5.0
-
-    def serve_args(self, peer_url: str) -> list[str]:
-        return [
-            *("--disaggregation-mode", "decode", "--prefill-url", peer_url),
-            *("--sim-kv-wait-timeout", f"{self.kv_wait_timeout:g}"),
-        ]
+def _decode_args(edge: EdgeConfig, peer_url: str) -> list[str]:
+    """The bad peers' decode server: the hostile peer as its prefill server."""
+    return [
+        *("--disaggregation-mode", "decode", "--prefill-url", peer_url),
+        *("--sim-kv-wait-timeout", f"{edge.kv_wait_timeout:g}"),
+    ]
 
 
 # -- the hostile peer --------------------------------------------------------------
 
 
-def _http(body: bytes, *headers: bytes) -> bytes:
-    head = [b"HTTP/1.1 200 OK", b"content-length: %d" % len(body), b"connection: close"]
+def http_answer(body: bytes, *headers: bytes, status: bytes = b"200 OK") -> bytes:
+    head = [b"HTTP/1.1 " + status, b"content-length: %d" % len(body), b"connection: close"]
     return b"\r\n".join([*head, *headers, b"", body])
 
 
 _OPEN_ENDED = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
 
 
-@cache
-def _gzip_bomb() -> bytes:
-    """1 GiB of zeros, gzipped: about 1 MB on the wire (made once, in about 50 ms)."""
-    return _http(gzip.compress(bytes(1 << 24), 9) * 64, b"content-encoding: gzip")
+@dataclass(frozen=True, slots=True)
+class PeerAnswer:
+    """``first`` at once, then ``then`` ``times`` times, each ``every`` s after the last.
+
+    ``hold``: the peer then keeps the connection open without a word (the load's peer
+    keeps every connection open until the decode server hangs up, to time it).
+    """
+
+    first: bytes
+    then: bytes = b""
+    times: int = 0
+    every: float = 0.0
+    hold: bool = False
 
 
-async def _send(data: bytes, stream: trio.SocketStream) -> None:
-    await stream.send_all(data)
-
-
-async def _bomb(stream: trio.SocketStream) -> None:
-    await stream.send_all(_gzip_bomb())
-
-
-async def _endless(stream: trio.SocketStream) -> None:
-    await stream.send_all(_OPEN_ENDED + b"[")
-    for _ in range(_ENDLESS_CHUNKS):
-        await stream.send_all(_ENDLESS_CHUNK)
-        await trio.sleep(_ENDLESS_EVERY)
-
-
-async def _trickle(stream: trio.SocketStream) -> None:
-    length = b"\r\ncontent-length: %d\r\n\r\n" % _TRICKLE_BYTES
-    await stream.send_all(_OPEN_ENDED.replace(b"\r\n\r\n", length))
-    for _ in range(_TRICKLE_BYTES):
-        await trio.sleep(_TRICKLE_EVERY)
-        await stream.send_all(b" ")
-
-
-async def _hang(stream: trio.SocketStream) -> None:
-    """No answer at all: the wait for the decode server to hang up is the whole of it."""
-
-
-#: The hostile answers, in the order the peer gives them.
-ANSWERS: dict[str, Callable[[trio.SocketStream], Awaitable[None]]] = {
-    "nested 100,000 deep": partial(_send, _http(b"[" * 100_000)),
-    "endless": _endless,
-    "trickle": _trickle,
-    "gzip bomb": _bomb,
-    "not HTTP": partial(_send, b"\x00\xff" * 1000),
-    "wrong shape": partial(_send, _http(b'{"events": 7, "meta_info": []}')),
-    "hang": _hang,
+#: The hostile answers, in the order the peer gives them. The endless body passes the
+#: decode server's 32 MiB bound on a prefill leg's answer within about 1.5 s; the gzip
+#: bomb is 1 GiB of zeros in about 1 MB, made at import, not while the load runs.
+ANSWERS: dict[str, PeerAnswer] = {
+    "nested 100,000 deep": PeerAnswer(http_answer(b"[" * 100_000)),
+    "endless": PeerAnswer(_OPEN_ENDED + b"[", b"1," * (1 << 17), times=1000, every=0.01),
+    "trickle": PeerAnswer(
+        _OPEN_ENDED.replace(b"\r\n\r\n", b"\r\ncontent-length: 1000\r\n\r\n"),
+        b" ",
+        times=1000,
+        every=0.1,
+    ),
+    "gzip bomb": PeerAnswer(
+        http_answer(gzip.compress(bytes(1 << 24), 9) * 64, b"content-encoding: gzip")
+    ),
+    "not HTTP": PeerAnswer(b"\x00\xff" * 1000),
+    "wrong shape": PeerAnswer(http_answer(b'{"events": 7, "meta_info": []}')),
+    "hang": PeerAnswer(b"", hold=True),
 }
+
+
+async def _play(answer: PeerAnswer, stream: trio.SocketStream) -> None:
+    await stream.send_all(answer.first)
+    for _ in range(answer.times):
+        await trio.sleep(answer.every)
+        await stream.send_all(answer.then)
 
 
 @dataclass(slots=True)
@@ -243,11 +172,11 @@ class _HostilePeer:
                     if target is None:
                         return
                     if target == "/capabilities":
-                        await stream.send_all(_http(_CAPABILITIES))
+                        await stream.send_all(http_answer(_CAPABILITIES))
                         return
                     kind = next(self.rotation)
                     started = trio.current_time()
-                    await ANSWERS[kind](stream)
+                    await _play(ANSWERS[kind], stream)
                     while await stream.receive_some():  # the rest of the request, until it hangs up
                         pass
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -301,12 +230,12 @@ async def _request(
     client: httpx.AsyncClient,
     body: dict[str, Any],
     route: Route,
-    shape: BadPeerShape,
+    bound: float,
     tally: RequestTally,
 ) -> None:
     sent = trio.current_time()
-    outcome = f"no answer within {shape.bound:g} s"
-    with trio.move_on_after(shape.bound):
+    outcome = f"no answer within {bound:g} s"
+    with trio.move_on_after(bound):
         try:
             response = await client.post("/generate", json=body)
         except httpx.HTTPError as exc:
@@ -346,7 +275,7 @@ class DecodeServer:
 class BadPeers:
     """What the bad peers did, and what the decode server did with them."""
 
-    shape: BadPeerShape
+    edge: EdgeConfig
     requests: RequestTally
     peer: PeerTally
     decode: DecodeServer
@@ -368,7 +297,7 @@ class BadPeers:
                 pairs(unexpected.items()),
             ),
             zero(
-                f"bad-peer answers the decode server still read at {self.shape.bound:g} s",
+                f"bad-peer answers the decode server still read at {self.edge.hold_bound:g} s",
                 sum(peer.past_bound.values()),
                 pairs(peer.past_bound.items()),
             ),
@@ -390,7 +319,7 @@ class BadPeers:
                 "bad peers' decode server", decode.exit_status, decode.stop_s, decode.stop_bound
             ),
         ]
-        if self.shape.clients:
+        if self.edge.bad_peers:
             answered = {route: sum(ended.values()) for route, ended in requests.by_route().items()}
             checks.append(
                 Target(
@@ -403,16 +332,16 @@ class BadPeers:
         return checks
 
     def lines(self) -> list[str]:
-        shape, requests, decode = self.shape, self.requests, self.decode
+        edge, requests, decode = self.edge, self.requests, self.decode
         answered = percentiles(requests.answered)
         held = percentiles([s for kind in ANSWERS for s in self.peer.held[kind]])
         routes = "; ".join(
             f"{route}: {pairs(ended.items())}" for route, ended in requests.by_route().items()
         )
         paragraphs = [
-            f"bad KV peers ({shape.clients:,}; a non-streaming /generate every {shape.pace:g} s "
+            f"bad KV peers ({edge.bad_peers:,}; a non-streaming /generate every {edge.pace:g} s "
             "at most, to a decode server whose --prefill-url and KV rooms are the hostile peer, "
-            f"--sim-kv-wait-timeout {shape.kv_wait_timeout:g}): "
+            f"--sim-kv-wait-timeout {edge.kv_wait_timeout:g}): "
             f"{sum(requests.outcomes.values()):,} requests; {routes}; answered p50 "
             f"{seconds(answered['p50'])}, max "
             f"{seconds(answered['max'])} after sent",
@@ -427,7 +356,7 @@ class BadPeers:
     def to_json(self) -> dict[str, Any]:
         requests, peer, decode = self.requests, self.peer, self.decode
         return {
-            "clients": self.shape.clients,
+            "clients": self.edge.bad_peers,
             "requests": requests.by_route(),
             "answered_s": percentiles(requests.answered),
             "peer_answers": peer.answers(),
@@ -451,26 +380,29 @@ class BadPeers:
 class BadPeerRun:
     """The hostile peer and its decode server, running: the clients, then the end."""
 
-    shape: BadPeerShape
+    edge: EdgeConfig
+    config: Config
     server: ServerProcess
     port: int
     peer: PeerTally
     requests: RequestTally = field(default_factory=RequestTally)
 
     async def run_clients(self) -> None:
-        """The bad-peer clients for ``shape.duration`` s; return once every request ended."""
-        stop_at = trio.current_time() + self.shape.duration
-        with trio.fail_after(self.shape.deadline):
+        """The bad-peer clients for the run's duration; return once every request ended."""
+        edge, duration = self.edge, self.config.duration
+        stop_at = trio.current_time() + duration
+        # The last ones start just before the end.
+        with trio.fail_after(duration + edge.hold_bound + edge.pace + 5.0):
             async with trio.open_nursery() as nursery:
-                for index in range(self.shape.clients):
+                for index in range(edge.bad_peers):
                     nursery.start_soon(self._client, index, stop_at)
 
     async def _client(self, index: int, stop_at: float) -> None:
-        shape = self.shape
-        rng = random.Random(f"{shape.seed}/bad-peer/{index}")
+        edge, config = self.edge, self.config
+        rng = random.Random(f"{config.seed}/bad-peer/{index}")
         routes = itertools.cycle(ROUTES)
-        await trio.sleep(rng.uniform(0.0, shape.ramp))
-        async with http_client(self.server.url, shape.bound) as client:
+        await trio.sleep(rng.uniform(0.0, config.ramp))
+        async with http_client(self.server.url, edge.hold_bound) as client:
 
             def next_request() -> Awaitable[None]:
                 route = next(routes)
@@ -485,17 +417,18 @@ class BadPeerRun:
                         "bootstrap_port": self.port,
                         "bootstrap_room": room,
                     }
-                return _request(client, body, route, shape, self.requests)
+                return _request(client, body, route, edge.hold_bound, self.requests)
 
-            await repeat(stop_at, shape.pace, next_request)
+            await repeat(stop_at, edge.pace, next_request)
 
-    async def finish(self, settle_bound: float, stop_bound: float) -> BadPeers:
+    async def finish(self) -> BadPeers:
         """Let the decode server settle, stop it with SIGINT; what it all came to."""
+        settle_bound, stop_bound = self.config.settle_timeout, self.config.stop_timeout
         settle_s, after = await self.server.settle(settle_bound)
         exit_status, stop_s = await self.server.stop(stop_bound)
         log = self.server.log
         decode = DecodeServer(
-            self.shape.serve_args(_url(self.port)),
+            _decode_args(self.edge, _url(self.port)),
             settle_s,
             settle_bound,
             after,
@@ -505,18 +438,15 @@ class BadPeerRun:
             dict(log.levels),
             list(log.notable),
         )
-        return BadPeers(self.shape, self.requests, self.peer, decode)
+        return BadPeers(self.edge, self.requests, self.peer, decode)
 
 
 @asynccontextmanager
-async def open_bad_peers(
-    shape: BadPeerShape, *, start_timeout: float, http_timeout: float
-) -> AsyncIterator[BadPeerRun]:
+async def open_bad_peers(edge: EdgeConfig, config: Config) -> AsyncIterator[BadPeerRun]:
     """The hostile peer on a free loopback port, and a decode server whose prefill peer it
     is; at the end, the peer stops (and the decode server, if ``finish`` did not)."""
     tally = PeerTally()
-    peer = _HostilePeer(shape.bound, tally)
-    _gzip_bomb()  # made before the load, not while it runs
+    peer = _HostilePeer(edge.hold_bound, tally)
     async with trio.open_nursery() as nursery:
         try:
             listeners: list[trio.SocketListener] = await nursery.start(
@@ -524,8 +454,10 @@ async def open_bad_peers(
             )
             port = int(listeners[0].socket.getsockname()[1])
             async with open_server(
-                shape.serve_args(_url(port)), start_timeout=start_timeout, http_timeout=http_timeout
+                _decode_args(edge, _url(port)),
+                start_timeout=config.start_timeout,
+                http_timeout=config.admin_timeout,
             ) as server:
-                yield BadPeerRun(shape, server, port, tally)
+                yield BadPeerRun(edge, config, server, port, tally)
         finally:
             nursery.cancel_scope.cancel()

@@ -1,33 +1,13 @@
 """The load: simulated users streaming from the server, each one leaving now and then.
 
-Every user is a trio task in one nursery with its own ``httpx.AsyncClient``
-(one connection, kept alive between its requests, as separate users have
-separate connections). It loops over the three streaming endpoints until the
-run's end, reading each server-sent event stream to ``[DONE]``; a share of
-its requests it abandons at a random moment, before the first token or in
-the middle of the stream, by leaving a ``trio.move_on_after`` block: httpx
-closes the connection when a read is cancelled, so the server sees the
-client go exactly as it would see a real one. After leaving, a user goes on
-with a new client (see ``_client``). Each user also times its token events,
-the first from sending the request (TTFT) and each next from the one before
-(ITL): what a slow server costs the people reading.
-
-Why httpx rather than raw sockets: it is a real HTTP/1.1 client (the one the
-``openai`` SDK is built on), it runs on trio, and on the project's 2-core
-machine 1,000 of these users reading about 3,300 events/s cost the client
-process about 0.6 of a core, which leaves the server the other core. The
-client, its request and its reading are bench-endpoint's
-(``trio_sglang.bench_endpoint._clients``, one leaving client for both): one
-SSL context shared by every client (httpx otherwise builds one per client,
-loading the CA bundle, about 17 ms of CPU each: 17 s for 1,000 clients,
-although loopback HTTP never uses it), no proxy from the environment between
-the users and the server on loopback, and a reading no dearer than httpx's
-own. This module keeps what is the load test's: when a user leaves, what
-counts as a token (every data event), what it times and how a request ended.
-
-Every wait is bounded: each request by ``trio.move_on_after`` (its moment
-of leaving, or ``request_timeout``), the whole run by a ``trio.fail_after``
-guard that only a bug can reach.
+Every user is a trio task with its own ``httpx.AsyncClient`` (separate users have
+separate connections); why httpx, and how a user leaves: docs/benchmarks.md, "Load over
+loopback". The client, its request and its reading are bench-endpoint's
+(``trio_sglang.bench_endpoint._clients``, one leaving client for both); this module keeps
+what is the load test's: when a user leaves, what counts as a token (every data event),
+what it times and how a request ended. Every wait is bounded: each request by
+``trio.move_on_after`` (its moment of leaving, or ``request_timeout``), the whole run by
+a ``trio.fail_after`` guard that only a bug can reach.
 """
 
 from __future__ import annotations
@@ -225,12 +205,9 @@ async def _client(
 ) -> None:
     """One user: requests one after another; after leaving one, a new ``AsyncClient``.
 
-    A user who left has closed the connection anyway, and the new client
-    steps around an httpcore bug (encode/httpcore#1093, still in 1.0.9): a
-    request cancelled after the pool handed it a new connection but before
-    that connection was established leaves the connection in the pool,
-    neither usable nor reclaimed, so the next request on the same client waits
-    for the pool until it times out.
+    A user who left has closed the connection anyway, and the new client steps around
+    encode/httpcore#1093 (still in 1.0.9): a request cancelled while its new connection
+    was being established leaves a pool slot taken, and the next request waits for it.
     """
     rng = random.Random(f"{shape.seed}/{index}")
     await trio.sleep(rng.uniform(0.0, shape.ramp))

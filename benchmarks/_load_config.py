@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from _load_clients import LoadShape
-from _load_hostile import HostileShape
 
 __all__ = ["HOSTILE_CAPS", "HOSTILE_SHARE", "Config", "EdgeConfig"]
 
@@ -96,20 +95,12 @@ class Config:
 class EdgeConfig:
     """The hostile clients beside the normal ones, and the server's bounds; seconds.
 
-    ``for_clients`` gives the default share: 10 % of the normal clients of
-    each kind, at most 50 non-readers, tricklers and zero-window clients and
-    10 bad peers (at 1,000 clients, 50 non-readers hold up to 200 streams at
-    the engine, a fifth of the normal load's).
-    The server gets short bounds (a stall of 2 s, a body read of 3 s, against
-    10 s and 30 s by default), so that every hostile client is dropped, and
-    the run seen to its end, within seconds. The bad peers' decode server waits
-    3 s for a KV cache (SGLang's 300 s would hold each of their requests for
-    the whole run). It speaks HTTP/2 too (``--http2``), which the flooders,
-    resetters and zero-window clients attack. Its bound on the engine requests
-    in flight (``max_running_requests``) is what every other client can hold
-    at once and the fan-out clients' requests but one: no other client is ever
-    refused, and a fan-out request only when all the others hold their most
-    (the refusal itself is tested in ``tests/test_hostile_clients.py``).
+    ``for_clients`` gives the default share (docs/benchmarks.md, "Hostile clients beside
+    the load"). The server gets short bounds (a stall of 2 s, a body read of 3 s, against
+    10 s and 30 s by default), so that every hostile client is dropped, and the run seen
+    to its end, within seconds; the bad peers' decode server waits 3 s for a KV cache
+    (SGLang's 300 s would hold each of their requests for the whole run). HTTP/2 is on
+    (``--http2``): the flooders, resetters and zero-window clients attack it.
     """
 
     nonreaders: int = 50
@@ -180,31 +171,6 @@ class EdgeConfig:
             *("--max-running-requests", str(self.max_running_requests)),
             "--http2",
         ]
-
-    def shape(self, config: Config) -> HostileShape:
-        return HostileShape(
-            nonreaders=self.nonreaders,
-            tricklers=self.tricklers,
-            zero_window=self.zero_window,
-            duration=config.duration,
-            ramp=config.ramp,
-            samples=self.samples,
-            max_tokens=self.max_tokens,
-            receive_buffer=self.receive_buffer,
-            trickle_interval=self.trickle_interval,
-            read_timeout=self.read_timeout,
-            streams=self.streams,
-            pace=self.pace,
-            hold_bound=self.hold_bound,
-            seed=config.seed,
-            flooders=self.flooders,
-            pipeliners=self.pipeliners,
-            resetters=self.resetters,
-            fanout=self.fanout,
-            fanout_children=self.fanout_children,
-            burst_streams=self.burst_streams,
-            zero_window_tokens=self.zero_window_tokens,
-        )
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "serve_args": self.serve_args()}

@@ -1,23 +1,13 @@
 """What the edge scenario found: the normal clients with and without the hostile share.
 
-Each of the two phases is judged as a load run of its own (``LoadReport``:
-no 5xx, no failed request, nothing left at the engine, ...). On top: the
-ratio of the normal clients' p99 ITL with the hostile share to without it,
-a time target judged only on a quiet machine (``_verdict.judge_machine``);
-what the hostile clients saw (how long the server held a non-reader's
-request or a zero-window client's connection, what a trickler was
-answered); the server's own count of the clients it dropped, which must be
-exactly the non-readers and zero-window streams it let go of, and the
-flooders: a normal client dropped would show as one more; that issue 37's
-clients (flooders, pipeliners, resetters, fan-out) left the server no more
-descriptors than the baseline did and nothing at the engine; and what the
-bad peers' decode server did with their requests (``_load_bad_peer.BadPeers``).
+Each phase is judged as a load run of its own (``LoadReport``); the checks on top, and
+why each: docs/benchmarks.md, "Hostile clients beside the load".
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from _load_bad_peer import BadPeers
@@ -114,12 +104,6 @@ class EdgeReport(BenchReport):
     def dropped(self) -> dict[str, int]:
         """Clients the server dropped during the edge phase, by reason."""
         return _dropped(self.loaded)
-
-    def nonreaders(self) -> dict[str, Any]:
-        return _holds(self.edge.nonreaders, self.hostile.nonreaders)
-
-    def zero_window(self) -> dict[str, Any]:
-        return _holds(self.edge.zero_window, self.hostile.zero_window)
 
     def zero_window_bound(self) -> float:
         """``EdgeConfig.zero_window_bound`` at the edge phase's p99 TTFT and ITL (the
@@ -315,9 +299,9 @@ class EdgeReport(BenchReport):
             "baseline": self.baseline.to_json(machine),
             "edge": self.loaded.to_json(machine),
             "hostile": {
-                "non_readers": self.nonreaders(),
+                "non_readers": _holds(self.edge.nonreaders, self.hostile.nonreaders),
                 "tricklers": self.tricklers(),
-                "zero_window": self.zero_window(),
+                "zero_window": _holds(self.edge.zero_window, self.hostile.zero_window),
                 "flooders": _holds(self.edge.flooders, self.hostile.flooders),
                 "pipelined": dict(self.hostile.pipelined),
                 "bursts_reset": self.hostile.bursts,
@@ -383,4 +367,4 @@ def _leftovers(report: LoadReport) -> str:
 
 
 def _phase(label: str, check: Target) -> Target:
-    return Target(f"{label}: {check.what}", check.target, check.measured, check.met, check.kind)
+    return replace(check, what=f"{label}: {check.what}")

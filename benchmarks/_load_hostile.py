@@ -1,62 +1,10 @@
-"""The edge scenario's hostile clients, on raw sockets: non-readers, tricklers, zero-window.
+"""The edge scenario's hostile clients, on raw sockets: non-readers, tricklers, zero-window
+clients, flooders, pipeliners, resetters and fan-out clients.
 
-A **non-reader** sets a small receive buffer (``SO_RCVBUF``, before connecting,
-so that the window it advertises is small from its first segment), sends one
-streaming request and never reads a byte of the answer, its socket kept
-open, until the server lets go. Its request asks for several samples of a
-long answer (``/v1/completions`` with ``n``): the load's own request, 16
-tokens of about 200 bytes, fits whole in the kernel's buffers (the client's
-receive window, and the 16 KiB a trio socket holds unsent before a write
-waits, ``TCP_NOTSENT_LOWAT``), so the server's write would never block and
-the request would end as a normal one, unnoticed. Four samples, at a token
-each every 250 ms, fill those buffers in about 6 s; then the server's write
-blocks and its stall timeout runs.
-
-How long the server held a non-reader's request is timed from the request
-sent to the server letting go, as the client can see it without reading:
-the error a recv or send would raise (``SO_ERROR``: the server's reset),
-or, on Linux, the connection no longer established (``TCP_INFO``: reset, or
-closed), looked at every 50 ms; and from the first bytes of its answer
-(seen waiting in the receive buffer, ``FIONREAD``, not read) to the same.
-
-A **trickler** sends its headers whole, then its body one byte every 0.5 s;
-the server must answer 408 within its request-read timeout of the headers,
-and close. It times that answer.
-
-A **zero-window** client speaks HTTP/2 with prior knowledge, the way an
-attack on flow control does: the connection preface, SETTINGS with
-``SETTINGS_INITIAL_WINDOW_SIZE`` 0, then several short streaming
-``/generate`` requests, and never a WINDOW_UPDATE, so that the server can
-send no byte of any answer but its headers. It never reads either, and is
-timed as a non-reader is. ``serve --http2`` resets each stream once its
-answer waits for the stall timeout, and drops the connection with the last;
-without ``--http2`` it reads the preface as a bad HTTP/1.1 request, answers
-it, and closes at once. What it had answered is read once it let go.
-
-Four more, each the client of an attack that once held the server (issue 37),
-all paced like a zero-window client:
-
-* a **flooder** speaks HTTP/2 and sends about 70 KB of PRIORITY frames that
-  ask for nothing (999 idle streams, each then made a child of the root again
-  and again); the server must drop it, and is timed as a non-reader is;
-* a **pipeliner** sends a request with one byte of a next request behind it,
-  reads the head of its answer (a streaming one), or waits a moment (a whole
-  one), then resets: the server must stop its request and free its connection;
-* a **resetter** sends a burst of streaming HTTP/2 requests in one write, then
-  resets while the server is still opening their streams: every one must stop;
-* a **fan-out** client asks for many completions in one request (``n``), so
-  that the fan-out clients hold hundreds of engine requests, up to the
-  server's bound; it reads its answer for a moment, then leaves.
-These four are judged by what the server holds after them (nothing at the
-engine, no connection or descriptor more than before), by the server's own
-count of the flooders it dropped, and by the normal clients' latency beside them.
-
-Each hostile client starts over on a new connection once the server let go
-of the last, until the run's end (a zero-window client, which the server lets
-go of at once, at most one connection every ``pace`` s: a hostile client,
-not a connection flood); the last ones are seen to their end. Every wait is
-bounded: a hold or a trickle by ``hold_bound`` (reaching it is a finding,
-counted), the whole by a ``trio.fail_after`` only a bug can reach.
+What each sends and how it is timed: docs/benchmarks.md, "Hostile clients beside the
+load". Each starts over on a new connection once the server let go of the last, until
+the run's end; every wait is bounded, a hold or a trickle by ``hold_bound`` (reaching it
+is a finding, counted), the whole by a ``trio.fail_after`` only a bug can reach.
 """
 
 from __future__ import annotations
@@ -76,11 +24,11 @@ import trio
 
 from _hostile_clients import flood_preface, h2_requests, reset, unread
 from _leaving_client import post_head
+from _load_config import Config, EdgeConfig
 from trio_sglang.bench_endpoint._apis import request_body
 
 __all__ = [
     "Holds",
-    "HostileShape",
     "HostileTally",
     "LetGo",
     "repeat",
@@ -101,51 +49,6 @@ _RETRY_AFTER = 0.5
 #: Linux's TCP states (``include/net/tcp_states.h``) that ``TCP_INFO`` starts with.
 _ESTABLISHED, _CLOSE = 1, 7
 _TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)
-
-
-@dataclass(frozen=True, slots=True)
-class HostileShape:
-    """What the hostile clients do; times in seconds."""
-
-    nonreaders: int
-    tricklers: int
-    zero_window: int
-    #: No hostile client starts over after this; they start within ``ramp``.
-    duration: float
-    ramp: float
-    #: A non-reader's request: ``n`` samples of ``max_tokens`` tokens each.
-    samples: int
-    max_tokens: int
-    #: A non-reader's ``SO_RCVBUF`` in bytes (the kernel doubles it).
-    receive_buffer: int
-    #: A trickler's pace: one byte of its body each ``trickle_interval``.
-    trickle_interval: float
-    #: The server's request-read timeout, which sizes a trickler's body to outlast it.
-    read_timeout: float
-    #: A zero-window client's streams on each connection.
-    streams: int
-    #: A zero-window client starts at most one connection every ``pace`` seconds.
-    pace: float
-    #: The longest a hold or a trickle is waited for.
-    hold_bound: float
-    seed: int
-    #: The clients of issue 37's attacks (see the module's docstring), each paced.
-    flooders: int = 0
-    pipeliners: int = 0
-    resetters: int = 0
-    fanout: int = 0
-    #: A fan-out client's ``n``.
-    fanout_children: int = 256
-    #: A resetter's streaming requests in its one write.
-    burst_streams: int = 50
-    #: A zero-window stream's tokens: over HTTP/2 the server holds such a stream until its
-    #: whole answer (or 32 KiB of it) waits, then for the stall timeout.
-    zero_window_tokens: int = 8
-
-    @property
-    def deadline(self) -> float:
-        """The most the hostile clients can take: the last ones start just before the end."""
-        return self.duration + self.hold_bound + max(_RETRY_AFTER, self.pace) + 5.0
 
 
 @dataclass(slots=True)
@@ -262,7 +165,7 @@ async def _hold(
     address: tuple[str, int],
     request: bytes,
     who: str,
-    shape: HostileShape,
+    edge: EdgeConfig,
     holds: Holds,
     tally: HostileTally,
     *,
@@ -272,7 +175,7 @@ async def _hold(
 
     ``cut_short``: the server may let go before the request is all sent (a flooder's).
     """
-    sock = await _connect(address, who, tally, receive_buffer=shape.receive_buffer)
+    sock = await _connect(address, who, tally, receive_buffer=edge.receive_buffer)
     if sock is None:
         return
     async with trio.SocketStream(sock) as stream:  # closing it unread resets: nothing lingers
@@ -285,7 +188,7 @@ async def _hold(
         sent = trio.current_time()
         answered: float | None = None
         how: LetGo = "held past the bound"
-        with trio.move_on_after(shape.hold_bound):
+        with trio.move_on_after(edge.hold_bound):
             # No event tells a socket that is not read that its peer let go: look.
             while (seen := _server_let_go(sock)) is None:
                 if answered is None and unread(sock):
@@ -299,12 +202,12 @@ async def _hold(
 
 
 def _nonreader(
-    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+    index: int, address: tuple[str, int], model: str, edge: EdgeConfig, tally: HostileTally
 ) -> Attempt:
-    body = request_body("/v1/completions", f"non-reader {index}", shape.max_tokens, model=model)
-    payload = json.dumps(body | {"n": shape.samples}).encode()
+    body = request_body("/v1/completions", f"non-reader {index}", edge.max_tokens, model=model)
+    payload = json.dumps(body | {"n": edge.samples}).encode()
     request = post_head(_authority(address), "/v1/completions", len(payload)) + payload
-    return partial(_hold, address, request, "non-reader", shape, tally.nonreaders, tally)
+    return partial(_hold, address, request, "non-reader", edge, tally.nonreaders, tally)
 
 
 def zero_window_preface(host: str, prompt: str, max_tokens: int, streams: int) -> bytes:
@@ -315,19 +218,19 @@ def zero_window_preface(host: str, prompt: str, max_tokens: int, streams: int) -
 
 
 def _zero_window(
-    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+    index: int, address: tuple[str, int], model: str, edge: EdgeConfig, tally: HostileTally
 ) -> Attempt:
     host = _authority(address)
     prompt = f"zero-window {index}"
-    request = zero_window_preface(host, prompt, shape.zero_window_tokens, shape.streams)
-    return partial(_hold, address, request, "zero-window", shape, tally.zero_window, tally)
+    request = zero_window_preface(host, prompt, edge.zero_window_tokens, edge.streams)
+    return partial(_hold, address, request, "zero-window", edge, tally.zero_window, tally)
 
 
 def _flooder(
-    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+    index: int, address: tuple[str, int], model: str, edge: EdgeConfig, tally: HostileTally
 ) -> Attempt:
     request = flood_preface()
-    return partial(_hold, address, request, "flooder", shape, tally.flooders, tally, cut_short=True)
+    return partial(_hold, address, request, "flooder", edge, tally.flooders, tally, cut_short=True)
 
 
 # -- clients that leave: pipeliners, resetters, fan-out -----------------------------
@@ -359,11 +262,11 @@ async def _leave_after(
 
 
 def _pipeliner(
-    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+    index: int, address: tuple[str, int], model: str, edge: EdgeConfig, tally: HostileTally
 ) -> Attempt:
     """Odd ones stream and leave once answered; even ones leave a whole answer unawaited."""
     streaming = index % 2 == 1
-    body = request_body("/generate", f"pipeliner {index}", shape.max_tokens)
+    body = request_body("/generate", f"pipeliner {index}", edge.max_tokens)
     payload = json.dumps(body | {"stream": streaming}).encode()
     request = post_head(_authority(address), "/generate", len(payload)) + payload + b"G"
     stay = 0.5
@@ -388,19 +291,19 @@ async def _burst_then_reset(address: tuple[str, int], burst: bytes, tally: Hosti
 
 
 def _resetter(
-    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+    index: int, address: tuple[str, int], model: str, edge: EdgeConfig, tally: HostileTally
 ) -> Attempt:
     host = _authority(address)
-    body = request_body("/generate", f"resetter {index}", shape.max_tokens)
-    burst = h2_requests(host, shape.burst_streams, json.dumps(body | {"stream": True}).encode())
+    body = request_body("/generate", f"resetter {index}", edge.max_tokens)
+    burst = h2_requests(host, edge.burst_streams, json.dumps(body | {"stream": True}).encode())
     return partial(_burst_then_reset, address, burst, tally)
 
 
 def _fanout(
-    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+    index: int, address: tuple[str, int], model: str, edge: EdgeConfig, tally: HostileTally
 ) -> Attempt:
-    body = request_body("/generate", f"fan-out {index}", shape.max_tokens)
-    sampling = body.get("sampling_params", {}) | {"n": shape.fanout_children}
+    body = request_body("/generate", f"fan-out {index}", edge.max_tokens)
+    sampling = body.get("sampling_params", {}) | {"n": edge.fanout_children}
     payload = json.dumps(body | {"stream": True, "sampling_params": sampling}).encode()
     request = post_head(_authority(address), "/generate", len(payload)) + payload
     return partial(_leave_after, address, request, "fan-out", True, 1.0, tally.fanout, tally)
@@ -420,16 +323,13 @@ async def _drip(stream: trio.SocketStream, body: bytes, interval: float) -> None
 
 
 async def _trickle(
-    address: tuple[str, int], head: bytes, body: bytes, shape: HostileShape, tally: HostileTally
+    address: tuple[str, int], head: bytes, body: bytes, edge: EdgeConfig, tally: HostileTally
 ) -> None:
     """One request whose body trickles in, until the server answers or closes."""
-    try:
-        stream = await trio.open_tcp_stream(*address)
-    except OSError as exc:
-        tally.failures[f"trickler: {type(exc).__name__}"] += 1
-        await trio.sleep(_RETRY_AFTER)
+    sock = await _connect(address, "trickler", tally)
+    if sock is None:
         return
-    async with stream:
+    async with trio.SocketStream(sock) as stream:
         try:
             await stream.send_all(head)
         except trio.BrokenResourceError:
@@ -437,9 +337,9 @@ async def _trickle(
             return
         sent = trio.current_time()
         how = "no answer within the bound"
-        with trio.move_on_after(shape.hold_bound):
+        with trio.move_on_after(edge.hold_bound):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_drip, stream, body, shape.trickle_interval)
+                nursery.start_soon(_drip, stream, body, edge.trickle_interval)
                 how = await _answer(stream)
                 nursery.cancel_scope.cancel()
             tally.answers.append(trio.current_time() - sent)
@@ -447,42 +347,46 @@ async def _trickle(
 
 
 def _trickler(
-    index: int, address: tuple[str, int], model: str, shape: HostileShape, tally: HostileTally
+    index: int, address: tuple[str, int], model: str, edge: EdgeConfig, tally: HostileTally
 ) -> Attempt:
     # A body that at this pace would still be arriving at four times the server's
     # bound, so that what ends it is the bound, never the body's end.
-    length = math.ceil(4 * shape.read_timeout / shape.trickle_interval)
+    length = math.ceil(4 * edge.read_timeout / edge.trickle_interval)
     prompt = f"trickler {index}" + " slow" * math.ceil(length / len(" slow"))
     body = json.dumps(request_body("/v1/completions", prompt, 1, model=model)).encode()
     head = post_head(_authority(address), "/v1/completions", len(body))
-    return partial(_trickle, address, head, body, shape, tally)
+    return partial(_trickle, address, head, body, edge, tally)
 
 
 async def _client(
-    name: str, index: int, attempt: Attempt, pace: float, shape: HostileShape, stop_at: float
+    name: str, index: int, attempt: Attempt, pace: float, config: Config, stop_at: float
 ) -> None:
     """One hostile client: ``attempt`` again and again, from a moment within the ramp."""
-    rng = random.Random(f"{shape.seed}/{name}/{index}")
-    await trio.sleep(rng.uniform(0.0, shape.ramp))
+    rng = random.Random(f"{config.seed}/{name}/{index}")
+    await trio.sleep(rng.uniform(0.0, config.ramp))
     await repeat(stop_at, pace, attempt)
 
 
-async def run_hostile(url: str, model: str, shape: HostileShape, tally: HostileTally) -> None:
-    """Run the hostile clients for ``shape.duration`` s; return once the last let go."""
+async def run_hostile(
+    url: str, model: str, edge: EdgeConfig, config: Config, tally: HostileTally
+) -> None:
+    """Run the hostile clients for ``config.duration`` s; return once the last let go."""
     address = _address(url)
-    stop_at = trio.current_time() + shape.duration
+    stop_at = trio.current_time() + config.duration
     kinds = (
-        ("non-reader", shape.nonreaders, _nonreader, 0.0),
-        ("trickler", shape.tricklers, _trickler, 0.0),
-        ("zero-window", shape.zero_window, _zero_window, shape.pace),
-        ("flooder", shape.flooders, _flooder, shape.pace),
-        ("pipeliner", shape.pipeliners, _pipeliner, shape.pace),
-        ("resetter", shape.resetters, _resetter, shape.pace),
-        ("fan-out", shape.fanout, _fanout, shape.pace),
+        ("non-reader", edge.nonreaders, _nonreader, 0.0),
+        ("trickler", edge.tricklers, _trickler, 0.0),
+        ("zero-window", edge.zero_window, _zero_window, edge.pace),
+        ("flooder", edge.flooders, _flooder, edge.pace),
+        ("pipeliner", edge.pipeliners, _pipeliner, edge.pace),
+        ("resetter", edge.resetters, _resetter, edge.pace),
+        ("fan-out", edge.fanout, _fanout, edge.pace),
     )
-    with trio.fail_after(shape.deadline):
+    # The last ones start just before the end.
+    deadline = config.duration + edge.hold_bound + max(_RETRY_AFTER, edge.pace) + 5.0
+    with trio.fail_after(deadline):
         async with trio.open_nursery() as nursery:
             for name, count, attempt_of, pace in kinds:
                 for index in range(count):
-                    attempt = attempt_of(index, address, model, shape, tally)
-                    nursery.start_soon(_client, name, index, attempt, pace, shape, stop_at)
+                    attempt = attempt_of(index, address, model, edge, tally)
+                    nursery.start_soon(_client, name, index, attempt, pace, config, stop_at)

@@ -1,4 +1,5 @@
-"""The server's ``/metrics`` as numbers: one scrape, the difference of two, a histogram's quantiles.
+"""The server's ``/metrics`` as numbers: one scrape, the difference of two, a histogram's
+quantiles; and its resident memory over time, read from ``/proc``.
 
 The load test reads the server only from outside, as an operator would: the
 counters it judges the run by (lost aborts, unconfirmed cleanups, live
@@ -9,15 +10,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Buckets", "MissingMetric", "Scrape", "bucket_delta", "histogram_quantile"]
+__all__ = [
+    "RSS_EVERY",
+    "Buckets",
+    "MissingMetric",
+    "RssTrace",
+    "Scrape",
+    "bucket_delta",
+    "histogram_quantile",
+]
 
 #: A histogram as (upper bound, cumulative count), ascending, ``+Inf`` last.
 Buckets = list[tuple[float, float]]
 _Labels = tuple[tuple[str, str], ...]
+#: Seconds between two samples of the server's memory.
+RSS_EVERY = 0.5
 
 
 class MissingMetric(LookupError):
@@ -100,3 +113,57 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
             return lower + (bound - lower) * (rank - below) / (count - below)
         lower, below = bound, count
     raise AssertionError("unreachable: the last bucket holds every sample")
+
+
+def resident_bytes(pid: int) -> float | None:
+    """``VmRSS`` of process ``pid`` in bytes; None without procfs or once it exited.
+
+    Read from ``/proc`` rather than scraped from ``/metrics``, so that sampling this often
+    costs the server nothing: a scrape renders every metric on the server's event loop,
+    the loop whose latency the clients measure. A plain read, called from async code:
+    procfs answers from the kernel's memory, without waiting on a disk.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return float(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(slots=True)
+class RssTrace:
+    """The server's memory over one phase and its settle, as (seconds since its start,
+    bytes); empty where there is no procfs (Linux only, as ``process_*`` metrics)."""
+
+    pid: int
+    samples: list[tuple[float, float]] = field(default_factory=list)
+
+    async def run(self) -> None:
+        """Sample every ``RSS_EVERY`` s until cancelled, or until there is nothing to read."""
+        started = trio.current_time()
+        while (rss := resident_bytes(self.pid)) is not None:
+            self.samples.append((trio.current_time() - started, rss))
+            await trio.sleep(RSS_EVERY)
+
+    @property
+    def latest(self) -> float | None:
+        return self.samples[-1][1] if self.samples else None
+
+    @property
+    def peak(self) -> float | None:
+        return max((rss for _, rss in self.samples), default=None)
+
+    def summary(self) -> dict[str, float | None]:
+        """The first, largest and last sample, in bytes."""
+        first = self.samples[0][1] if self.samples else None
+        return {"start": first, "peak": self.peak, "end": self.latest}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.summary(),
+            "every_s": RSS_EVERY,
+            "samples": [[round(at, 2), round(rss)] for at, rss in self.samples],
+        }

@@ -14,15 +14,13 @@ from typing import Any
 
 from _load_clients import ENDPOINTS, LEFT, Outcome, Tally
 from _load_config import Config
-from _load_metrics import Scrape, bucket_delta, histogram_quantile
-from _load_rss import RssTrace
+from _load_metrics import RssTrace, Scrape, bucket_delta, histogram_quantile
 from _report_base import BenchReport
 from _stats import Stats, percentiles
-from _units import cores, mib, ms_of_s, seconds
+from _units import cores, mib, ms_of_s
 from _verdict import Target
 
-# ``seconds``: _load_bad_peer.py reads it from here.
-__all__ = ["LoadReport", "exit_check", "pairs", "seconds", "zero"]
+__all__ = ["LoadReport", "exit_check", "pairs", "zero"]
 
 _ABORT_DELAY = "trio_sglang_abort_delay_seconds"
 _QUANTILE_METHOD = (

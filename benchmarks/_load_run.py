@@ -1,13 +1,8 @@
 """One server's life in a load run: start, warm-up, load phases, stop.
 
-A phase is the users for the shape's duration (and, in the edge scenario,
-the hostile clients beside them), then the server's settle: a progress line
-every 5 s on stderr, and the server's memory sampled every 0.5 s from the
-phase's start to the end of its settle. ``load.py`` runs one phase; the
-edge scenario two on the same server, without and with the hostile share,
-so that both see the same process, flags and warm-up. Each phase is judged
-as a load run of its own (``Run.report``), between the scrape before it and
-the one after it.
+The edge scenario runs two phases on the same server, without and with the hostile
+share, so that both see the same process, flags and warm-up; each is judged as a load
+run of its own (``Run.report``), between the scrape before it and the one after it.
 """
 
 from __future__ import annotations
@@ -21,9 +16,8 @@ import trio
 
 from _load_clients import LoadShape, Tally, run_clients
 from _load_config import Config
-from _load_metrics import Scrape
+from _load_metrics import RssTrace, Scrape
 from _load_report import LoadReport
-from _load_rss import RssTrace
 from _load_server import ServerProcess, open_server
 from _output import Progress
 from _units import mib
@@ -166,12 +160,11 @@ async def _run_phase(
     tally, shape = Tally(), config.shape()
     rss = RssTrace(server.process.pid)
     progress.start(f"{label}: {shape.clients:,} clients for {shape.duration:g} s")
-    watch = _Watch(server, shape, tally, rss, progress, label)
     async with trio.open_nursery() as sampling:
         sampling.start_soon(rss.run)
         started, cpu_started = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as watching:
-            watching.start_soon(watch.run)
+            watching.start_soon(_watch, server, shape, tally, rss, progress, label)
             async with trio.open_nursery() as clients:
                 clients.start_soon(run_clients, server.url, model, shape, tally)
                 if beside is not None:
@@ -187,28 +180,25 @@ async def _run_phase(
     return Phase(label, tally, rss, load_s, client_cpu_s, settle_s, after)
 
 
-@dataclass(slots=True)
-class _Watch:
+async def _watch(
+    server: ServerProcess,
+    shape: LoadShape,
+    tally: Tally,
+    rss: RssTrace,
+    progress: Progress,
+    label: str,
+) -> None:
     """A progress line every ``PROGRESS_EVERY`` s during the load."""
-
-    server: ServerProcess
-    shape: LoadShape
-    tally: Tally
-    rss: RssTrace
-    progress: Progress
-    label: str
-
-    async def run(self) -> None:
-        started = trio.current_time()
-        while True:
-            await trio.sleep(PROGRESS_EVERY)
-            with trio.move_on_after(PROGRESS_EVERY):  # a slow scrape skips a line
-                scrape = await self.server.scrape()
-                tally, elapsed = self.tally, trio.current_time() - started
-                self.progress.start(
-                    f"{self.label} {elapsed:.0f}/{self.shape.duration:g} s: "
-                    f"{tally.count():,} requests done ({tally.count('failed'):,} failed), "
-                    f"{tally.in_flight:,} in flight; server: "
-                    f"{scrape.value('trio_sglang_open_streams'):.0f} streams open, "
-                    f"RSS {mib(self.rss.latest)}"
-                )
+    started = trio.current_time()
+    while True:
+        await trio.sleep(PROGRESS_EVERY)
+        with trio.move_on_after(PROGRESS_EVERY):  # a slow scrape skips a line
+            scrape = await server.scrape()
+            elapsed = trio.current_time() - started
+            progress.start(
+                f"{label} {elapsed:.0f}/{shape.duration:g} s: "
+                f"{tally.count():,} requests done ({tally.count('failed'):,} failed), "
+                f"{tally.in_flight:,} in flight; server: "
+                f"{scrape.value('trio_sglang_open_streams'):.0f} streams open, "
+                f"RSS {mib(rss.latest)}"
+            )

@@ -1,11 +1,9 @@
 """``trio-sglang serve`` as the load test's subprocess: started, watched, scraped, stopped.
 
-The server runs as a user runs it (``python -m trio_sglang serve`` on a free
-loopback port), in its own process, so that its memory and CPU are its own
-and the clients' work does not run on its event loop. ``trio.run_process`` in
-a nursery owns it: however the load test ends, leaving the nursery
-terminates a server still running (SIGTERM, then SIGKILL after 5 s) and
-reaps it.
+The server runs as a user runs it (``python -m trio_sglang serve`` on a free loopback
+port), in its own process, so that its memory and CPU are its own and the clients' work
+does not run on its event loop. ``trio.run_process`` in a nursery owns it: however the
+load test ends, a server still running is terminated (``_terminate``) and reaped.
 """
 
 from __future__ import annotations
@@ -111,16 +109,12 @@ class ServerProcess:
             seconds = trio.current_time() - started
         return seconds, await self.scrape()
 
-    def interrupt(self) -> None:
-        """SIGINT, as a user's Ctrl-C; ``process.wait()`` then gives the exit status."""
-        self.process.send_signal(signal.SIGINT)
-
     async def stop(self, bound: float) -> tuple[int | None, float]:
-        """SIGINT, then wait at most ``bound`` s: the exit status (None: still running at
-        the bound) and the seconds waited."""
+        """SIGINT, as a user's Ctrl-C, then wait at most ``bound`` s: the exit status (None:
+        still running at the bound) and the seconds waited."""
         started = trio.current_time()
         status: int | None = None
-        self.interrupt()
+        self.process.send_signal(signal.SIGINT)
         with trio.move_on_after(bound):
             status = await self.process.wait()
         return status, trio.current_time() - started

@@ -4,24 +4,9 @@
         [--duration 30] [--disconnect-fraction 0.333] [--seed 0]
         [--nonreaders N] [--tricklers N] [--zero-window N] [--bad-peers N] [--json PATH]
 
-Starts the server as a subprocess (SimEngine, load-appropriate timing, see
-``Config``) on a free loopback port, warms it up, then runs the clients for
-the duration: each loops over SGLang's ``/generate`` and OpenAI's
-``/v1/completions`` and ``/v1/chat/completions``, streaming, and abandons a
-share of its requests at a random moment by closing the connection. After
-the run it lets the server settle, stops it with SIGINT, and judges the run
-by what the server's ``/metrics`` and the clients saw: no 5xx, no failed
-request, nothing left at the engine, no lost abort, no unconfirmed cleanup,
-a clean exit. Progress on stderr, the table on stdout, every number in the
-JSON; the exit status is 1 if an invariant failed. See docs/benchmarks.md.
-
-``--scenario edge`` runs the same clients twice on one server started with
-short client bounds (``EdgeConfig``): alone, then beside hostile clients
-(``_load_hostile``: non-readers that never read their answer, tricklers that
-send their body a byte at a time, HTTP/2 clients that grant no flow-control
-window; ``_load_bad_peer``: clients whose requests make a decode server,
-started beside the server for the whole run, read a hostile KV peer's
-answers), and compares what the normal clients saw (``_load_edge_report``).
+How it runs, what it judges and what the edge scenario adds: docs/benchmarks.md, "Load
+over loopback" and "Hostile clients beside the load". Progress on stderr, the table on
+stdout, every number in the JSON; the exit status is 1 if an invariant failed.
 """
 
 from __future__ import annotations
@@ -34,7 +19,7 @@ from typing import Any
 
 import trio
 
-from _load_bad_peer import BadPeerShape, open_bad_peers
+from _load_bad_peer import open_bad_peers
 from _load_config import HOSTILE_CAPS, Config, EdgeConfig
 from _load_edge_report import EdgeReport
 from _load_hostile import HostileTally, run_hostile
@@ -63,22 +48,18 @@ async def run_edge(config: Config, edge: EdgeConfig, progress: Progress) -> Edge
     the bad peers' decode server beside it from before the baseline to the end."""
     hostile = HostileTally()
     progress.start("starting a hostile KV peer, and a decode server whose prefill peer it is")
-    async with open_bad_peers(
-        BadPeerShape.for_edge(edge, config),
-        start_timeout=config.start_timeout,
-        http_timeout=config.admin_timeout,
-    ) as bad_peers:
+    async with open_bad_peers(edge, config) as bad_peers:
         progress.step_done()
 
         async def beside(url: str, model: str) -> None:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_hostile, url, model, edge.shape(config), hostile)
+                nursery.start_soon(run_hostile, url, model, edge, config, hostile)
                 nursery.start_soon(bad_peers.run_clients)
 
         phases = [("baseline", None), ("edge", beside)]
         run = await run_server(config, progress, phases, edge.serve_args())
         progress.start("bad peers: the decode server's settle, then SIGINT")
-        peers = await bad_peers.finish(config.settle_timeout, config.stop_timeout)
+        peers = await bad_peers.finish()
         progress.step_done()
     return EdgeReport(run, edge, hostile, peers)
 

@@ -18,7 +18,6 @@ still answer ``/health``, hold nothing, and exit 0 on SIGTERM.
 
 from __future__ import annotations
 
-import gzip
 import signal
 import socket
 import socketserver
@@ -34,6 +33,8 @@ import httpx
 import pytest
 import trio
 
+from _load_bad_peer import ANSWERS as LOAD_ANSWERS
+from _load_bad_peer import PeerAnswer, http_answer
 from _processes import Process, start_workers, wait_until
 from trio_sglang import PrefillFailed
 from trio_sglang.server import HTTPKVRooms, HTTPPrefill, open_http_kv_rooms
@@ -41,28 +42,6 @@ from trio_sglang.sim import BootstrapAddr
 
 #: A good ``/capabilities`` of a prefill server, for the peers whose ``/generate`` is bad.
 CAPABILITIES = b'{"role": "prefill"}'
-
-
-def _http(body: bytes, *headers: bytes, status: bytes = b"200 OK") -> bytes:
-    head = [b"HTTP/1.1 " + status, b"content-length: %d" % len(body), b"connection: close"]
-    return b"\r\n".join([*head, *headers, b"", body])
-
-
-def _endless(conn: socket.socket) -> None:
-    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n[")
-    while True:
-        conn.sendall(b"1," * 32768)
-
-
-def _trickle(conn: socket.socket) -> None:
-    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
-    while True:
-        conn.sendall(b" ")
-        time.sleep(0.05)
-
-
-def _hang(conn: socket.socket) -> None:
-    time.sleep(60)
 
 
 def _sse(*events: bytes) -> Callable[[socket.socket], None]:
@@ -88,23 +67,24 @@ STREAMS: dict[str, Callable[[socket.socket], None]] = {
 }
 
 
-#: 1 GiB of zeros in about 1 MB: small on the wire, not once decompressed.
-_BOMB = gzip.compress(b"\0" * (1 << 24), compresslevel=9) * 64
-
-
-ANSWERS: dict[str, Callable[[socket.socket], None]] = {
-    "deep": lambda conn: conn.sendall(_http(b"[" * 100_000)),
-    "deep-error": lambda conn: conn.sendall(_http(b"{" * 100_000, status=b"500 Oops")),
-    "endless": _endless,
-    "trickle": _trickle,
-    "bomb": lambda conn: conn.sendall(_http(_BOMB, b"content-encoding: gzip")),
-    "deflate": lambda conn: conn.sendall(_http(zlib.compress(b"{}"), b"content-encoding: deflate")),
-    "not-http": lambda conn: conn.sendall(b"\x00\xff" * 1000),
-    "html": lambda conn: conn.sendall(_http(b"<html>busy</html>")),
-    "wrong-shape": lambda conn: conn.sendall(_http(b'{"events": 7, "meta_info": []}')),
-    "empty": lambda conn: None,
-    "hang": _hang,
+#: The load test's bad answers (its bad KV peers'), and a few more.
+ANSWERS: dict[str, PeerAnswer] = {
+    **LOAD_ANSWERS,
+    "deep-error": PeerAnswer(http_answer(b"{" * 100_000, status=b"500 Oops")),
+    "deflate": PeerAnswer(http_answer(zlib.compress(b"{}"), b"content-encoding: deflate")),
+    "html": PeerAnswer(http_answer(b"<html>busy</html>")),
+    "empty": PeerAnswer(b""),
 }
+
+
+def _play(answer: PeerAnswer, conn: socket.socket) -> None:
+    """As the load test's peer plays it, on a blocking socket."""
+    conn.sendall(answer.first)
+    for _ in range(answer.times):
+        time.sleep(answer.every)
+        conn.sendall(answer.then)
+    if answer.hold:
+        time.sleep(60)
 
 
 class _Peer(socketserver.ThreadingTCPServer):
@@ -119,7 +99,7 @@ class _Peer(socketserver.ThreadingTCPServer):
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.answer = "deep"
+        self.answer = "nested 100,000 deep"
         self.good_capabilities = False
         self.good_metrics = False
 
@@ -139,10 +119,10 @@ class _Handler(socketserver.BaseRequestHandler):
             target = head.split(b" ", 2)[1].decode() if head.count(b" ") >= 2 else "/"
             path = target.split("?", 1)[0]
             if path == "/capabilities" and self.server.good_capabilities:
-                conn.sendall(_http(CAPABILITIES))
+                conn.sendall(http_answer(CAPABILITIES))
                 return
             if path == "/metrics" and self.server.good_metrics:
-                conn.sendall(_http(b"fake_in_flight 0\n"))
+                conn.sendall(http_answer(b"fake_in_flight 0\n"))
                 return
             name = self.server.answer
             if name in STREAMS:
@@ -150,7 +130,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             if path.startswith("/bootstrap/rooms/"):
                 name = list(ANSWERS)[int(path.rsplit("/", 1)[1]) % len(ANSWERS)]
-            ANSWERS[name](conn)
+            _play(ANSWERS[name], conn)
         except OSError:  # the server under test gave up on the answer: as it should
             pass
 
