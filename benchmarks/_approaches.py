@@ -2,27 +2,10 @@
 
 Every approach opens a caller-side stream for one request and hands the
 benchmark a way to cancel it (``StreamRecord.cancel``), the way a disconnect
-callback would. What differs is what happens at the engine afterwards:
-
-- ``trio-sglang``: this project's lifecycle (``open_worker`` and
-  ``worker.generate``), cancelled with ``ctx.kill()``.
-- ``first-response``: the old Dynamo worker. The engine id is only learned
-  from the stream's first output, so no abort is ever sent before it.
-- ``poll-then-abort``: a model of Dynamo 1.6's SGLang worker: poll the
-  registry with a growing backoff, wait a bounded time for dispatch, abort,
-  and retry the same rid when dispatch was not seen.
-
-One more, ``engine-alone``, is no strategy but a floor (``FLOORS``): the
-engine stream read in the consumer's own task inside a cancel scope, with
-nothing around it, so that a cancelled pull runs only the engine's own
-release path. It is right only on an engine that releases on close; the
-at-once burst runs it beside trio-sglang to show what the engine and this
-harness cost before any lifecycle.
-
-The baselines use only the public ``Engine`` protocol (generate, phase,
-abort, closing the stream) and own every task they start in a nursery, with
-a bound on each wait: they are faithful models of asyncio code, not straw men
-with leaks of their own.
+callback would; what each does at the engine afterwards is in
+docs/benchmarks.md ("The baselines"). ``engine-alone`` (``FLOORS``) is no
+strategy but a floor: the engine stream read in the consumer's own task inside
+a cancel scope, so that a cancelled pull runs only the engine's release path.
 """
 
 from __future__ import annotations
@@ -31,13 +14,14 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
 import trio
 
 import trio_sglang as ts
+from trio_sglang_harness._scenarios import RidRecorder
 
 __all__ = [
     "APPROACHES",
@@ -45,7 +29,6 @@ __all__ = [
     "FLOORS",
     "Approach",
     "ApproachFactory",
-    "RecordingEngine",
     "StreamRecord",
     "open_approach",
 ]
@@ -108,47 +91,10 @@ ApproachFactory = Callable[[ts.Engine], AbstractAsyncContextManager[Approach]]
 # -- trio-sglang ---------------------------------------------------------------
 
 
-class RecordingEngine:
-    """Delegates the ``Engine`` protocol and remembers the rid of the last ``generate``.
-
-    The benchmark must know each stream's engine rid to read the trace, and the
-    worker rightly never shows it. ``worker.generate`` calls
-    ``engine.generate`` synchronously while entering its block, with no
-    checkpoint between that call and the block's body, so right after the
-    ``async with`` the last recorded rid belongs to this stream.
-    """
-
-    def __init__(self, inner: ts.Engine) -> None:
-        self._inner = inner
-        self.last_rid: str | None = None
-
-    def running(self) -> AbstractAsyncContextManager[None]:
-        return self._inner.running()
-
-    def features(self) -> ts.EngineFeatures:
-        return self._inner.features()
-
-    def generate(self, request: Mapping[str, Any]) -> ts.EngineStream:
-        self.last_rid = str(request["rid"])
-        return self._inner.generate(request)
-
-    def phase(self, rid: str) -> ts.RequestPhase:
-        return self._inner.phase(rid)
-
-    async def wait_phase_change(self, rid: str, phase: ts.RequestPhase) -> ts.RequestPhase:
-        return await self._inner.wait_phase_change(rid, phase)
-
-    async def abort(self, rid: str) -> None:
-        await self._inner.abort(rid)
-
-    def live_requests(self) -> int:
-        return self._inner.live_requests()
-
-
 class TrioSglang:
     """This project's lifecycle: ``worker.generate`` and ``ctx.kill()``."""
 
-    def __init__(self, worker: ts.Worker, engine: RecordingEngine) -> None:
+    def __init__(self, worker: ts.Worker, engine: RidRecorder) -> None:
         self._worker = worker
         self._engine = engine
         self._claimed: set[str] = set()
@@ -163,8 +109,9 @@ class TrioSglang:
         rec.cancel = ctx.kill
         async with self._worker.generate(request, ctx, output="tokens") as chunks:
             rid = self._engine.last_rid
-            if rid is None or rid in self._claimed:
-                # Guards the no-checkpoint assumption (see RecordingEngine).
+            if not isinstance(rid, str) or rid in self._claimed:
+                # The recorder's rid is this stream's only if nothing ran between its
+                # ``generate`` and here (no checkpoint: docs/benchmarks.md, "The baselines").
                 raise RuntimeError("could not tell this stream's engine rid")
             self._claimed.add(rid)
             rec.rid = rid
@@ -173,7 +120,7 @@ class TrioSglang:
 
 @asynccontextmanager
 async def _open_trio_sglang(engine: ts.Engine) -> AsyncIterator[Approach]:
-    recording = RecordingEngine(engine)
+    recording = RidRecorder(engine)
     async with ts.open_worker(recording) as worker:
         yield TrioSglang(worker, recording)
 
@@ -181,41 +128,28 @@ async def _open_trio_sglang(engine: ts.Engine) -> AsyncIterator[Approach]:
 # -- the baselines -----------------------------------------------------------------
 
 
+@dataclass(slots=True, eq=False)
 class _Handle:
     """One baseline stream: the engine stream, owned by its pump task alone."""
 
-    __slots__ = (
-        "aborted",
-        "done",
-        "ended",
-        "engine_id",
-        "gone",
-        "pump_scope",
-        "rid",
-        "stream",
-        "wake",
-        "wanted",
-    )
-
-    def __init__(self, rid: str, stream: ts.EngineStream) -> None:
-        self.rid = rid
-        self.stream = stream
-        #: The id learned from the first output (what the old worker could abort by).
-        self.engine_id: str | None = None
-        #: An abort was sent by this handle's strategy.
-        self.aborted = False
-        #: The engine stream ran to its end: nothing to clean up.
-        self.ended = False
-        #: The consumer asked for its first chunk: the engine stream may start.
-        self.wanted = False
-        #: The consumer left.
-        self.gone = False
-        #: Set when either of the two above changes.
-        self.wake = trio.Event()
-        #: The pump's scope; its deadline is set when the consumer leaves.
-        self.pump_scope = trio.CancelScope()
-        #: Set when the pump ended: the server's side of the stream is gone.
-        self.done = trio.Event()
+    rid: str
+    stream: ts.EngineStream
+    #: The id learned from the first output (what the old worker could abort by).
+    engine_id: str | None = None
+    #: An abort was sent by this handle's strategy.
+    aborted: bool = False
+    #: The engine stream ran to its end: nothing to clean up.
+    ended: bool = False
+    #: The consumer asked for its first chunk: the engine stream may start.
+    wanted: bool = False
+    #: The consumer left.
+    gone: bool = False
+    #: Set when either of the two above changes.
+    wake: trio.Event = field(default_factory=trio.Event)
+    #: The pump's scope; its deadline is set when the consumer leaves.
+    pump_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: Set when the pump ended: the server's side of the stream is gone.
+    done: trio.Event = field(default_factory=trio.Event)
 
 
 class _PumpedChunks:
@@ -243,17 +177,8 @@ class _PumpedChunks:
 
 
 class _Baseline(ABC):
-    """What both baselines share: the asyncio worker's shape, modelled in trio.
-
-    In the asyncio workers the engine stream is iterated by the handler, which
-    the frontend pulls. When the client goes away the frontend stops pulling:
-    the handler is left parked, and no ``CancelledError`` reaches SGLang's
-    generator (which would run its release path). To model that, a pump task
-    owns the engine stream and hands outputs to the consumer over a
-    zero-capacity channel, so the consumer can leave at once without touching
-    the engine stream; what happens next is each baseline's own strategy. A
-    stream the consumer never pulled is never started, as in the handler.
-    """
+    """What both baselines share: the asyncio worker's shape, modelled in trio with a pump
+    task that owns the engine stream (docs/benchmarks.md, "The baselines")."""
 
     #: How long the pump may go on after the consumer left.
     pump_bound_after_leave: float = LONG_WAIT
@@ -339,12 +264,7 @@ class _Baseline(ABC):
 
 
 class FirstResponse(_Baseline):
-    """The old Dynamo worker: abort by the id the first output revealed, never earlier.
-
-    If the id is already known when the consumer leaves, the abort goes out at
-    once; otherwise the pump (the detached task) keeps pulling until the first
-    output arrives, aborts that id and closes the stream, within ``LONG_WAIT``.
-    """
+    """The old Dynamo worker: abort by the id the first output revealed, never earlier."""
 
     def _consumer_left(self, handle: _Handle) -> None:
         if handle.engine_id is not None:
@@ -361,16 +281,8 @@ class FirstResponse(_Baseline):
 
 
 class PollThenAbort(_Baseline):
-    """A model of Dynamo 1.6's ordered abort, with its draining and retries.
-
-    After a stop the stream is drained for at most ``DRAIN_BOUND`` and then
-    closed (closing runs SGLang's release path); a detached task polls the
-    registry (backoff 1 ms doubling to 50 ms, within 30 s), polls for the
-    dispatch timestamp within ``DISPATCH_WAIT`` (same backoff), aborts, and,
-    when dispatch was not seen, retries the same rid up to ``RETRIES`` times
-    (backoff 50 ms doubling to 1 s) while the rid is still registered. Those
-    retries are exactly what SGLang's ``abort_sent`` flag drops.
-    """
+    """A model of Dynamo 1.6's ordered abort, with its draining and retries (the retries
+    are exactly what SGLang's ``abort_sent`` flag drops)."""
 
     DRAIN_BOUND = 1.0
     REGISTRATION_WAIT = 30.0

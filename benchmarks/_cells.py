@@ -1,15 +1,8 @@
 """Run one measurement: N streams of one approach, cancelled on a schedule, on a fresh engine.
 
-A cell is (approach, phase, concurrency). It runs ``waves`` rounds of
-``concurrency`` concurrent streams (several rounds only so that small
-concurrencies still give enough cancels for a p99), each stream cancelled at
-its own offset after it opened, by a separate task, the way a disconnect
-callback would. Then it lets the approach's detached cleanup finish (each of
-its tasks is bounded; the settle is bounded too), counts what the engine
-still holds, and reads everything else off the engine's trace.
-
-Everything runs in real time on trio's normal clock: the latencies include
-the event loop's own work at that concurrency, as a real worker's would.
+A cell is (approach, phase, concurrency); how it runs, in real time, is in
+docs/benchmarks.md ("Method"). Several waves only so that small concurrencies
+still give enough cancels for a p99.
 """
 
 from __future__ import annotations
@@ -62,16 +55,9 @@ class CellPlan:
 
 
 async def run_cell(plan: CellPlan) -> CellResult:
-    """Measure one cell.
-
-    A wave opens all its ``concurrency`` streams first (open in the worker, not
-    yet pulled), then each stream starts its life (its first pull, or for
-    ``before_registration`` the wait before it) at a random moment within
-    ``plan.spread`` seconds, and is cancelled at its own offset after that
-    start. So every cancel lands while the other streams are in flight, and
-    the cancels are spread out instead of arriving as one burst behind the
-    burst of opening them (the ``at_once`` scenario is that burst, on purpose).
-    """
+    """Measure one cell: each wave opens all its streams, then starts each within
+    ``plan.spread``, so the cancels are spread out instead of arriving as one burst behind
+    the burst of opening them (the ``at_once`` scenario is that burst, on purpose)."""
     engine = plan.phase.engine()
     offsets = cancel_offsets(plan.phase, plan.concurrency * plan.waves, plan.seed)
     starts = start_delays(plan.concurrency * plan.waves, plan.spread, plan.seed)
@@ -80,7 +66,12 @@ async def run_cell(plan: CellPlan) -> CellResult:
         async with open_approach(plan.approach, engine) as approach:
             for first in range(0, len(records), plan.concurrency):
                 wave = records[first : first + plan.concurrency]
-                await _run_wave(approach, engine, plan.phase, wave)
+                all_open = _Countdown(len(wave))
+                async with trio.open_nursery() as nursery:
+                    for rec in wave:
+                        nursery.start_soon(
+                            _run_stream, approach, engine, plan.phase, rec, all_open, nursery
+                        )
             leaked = await _settle(approach, engine, records, plan.settle_timeout)
     return summarize(
         plan.approach,
@@ -92,15 +83,6 @@ async def run_cell(plan: CellPlan) -> CellResult:
         leaked=leaked,
         meter=meter,
     )
-
-
-async def _run_wave(
-    approach: Approach, engine: ts.Engine, phase: Phase, wave: Sequence[StreamRecord]
-) -> None:
-    all_open = _Countdown(len(wave))
-    async with trio.open_nursery() as nursery:
-        for rec in wave:
-            nursery.start_soon(_run_stream, approach, engine, phase, rec, all_open, nursery)
 
 
 async def run_at_once(

@@ -1,42 +1,40 @@
 """The sweep on the real SGLang (``--engine sglang-harness``, ``sglang-engine``), with Dynamo's.
 
-Each cancel runs as one scenario in the harness's host process: SGLang
-0.5.23's real TokenizerManager against the stand-in scheduler, the request
-made either by trio-sglang's worker (``SGLangEngine`` through trio-asyncio)
-or by NVIDIA Dynamo 1.6.1's own SGLang handler (``dynamo-1.6``: the
-``bench-dynamo`` extra, see ``trio_sglang_harness._dynamo_handler``). The two
-take turns, cancel by cancel, in the same phases with the same timing. Times
-come from one clock for both sides (``time.monotonic``, system-wide): the
-cancel, the caller's stream ending, and the scheduler's log of what it
-received and applied. One stream at a time: the harness runs scenarios in
-turn. After each request the host waits (bounded) until the TokenizerManager
-holds nothing, so a request that nobody stopped is counted to its end.
-
-``--engine sglang-engine`` runs the same sweep on the whole ``sglang.Engine``
-on the CPU (its real scheduler, detokenizer and the tiny model's forward):
-the host then taps the TokenizerManager's sockets, so "the scheduler's abort"
-is its output finishing the request with ``abort``, and an abort is lost when
-it went out before its request (the scheduler keeps no tombstone).
-
-Then the SimEngine's ``poll-then-abort`` runs the same scenarios
-(``_harness_sim.py``, on a MockClock) and ``check_model`` sets each of its
-rows against Dynamo's real one.
+What it runs and how is in docs/benchmarks.md ("On the real TokenizerManager",
+"Against NVIDIA Dynamo 1.6.1's own handler", "On the whole sglang.Engine"):
+trio-sglang's worker and Dynamo 1.6.1's own SGLang handler take turns, cancel
+by cancel, one stream at a time, on one clock (``time.monotonic``). Then the
+SimEngine's ``poll-then-abort`` runs the same scenarios on a MockClock (the
+model's own prediction, with no event-loop noise), and ``check_model`` sets
+each of its rows against Dynamo's real one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
 
-from _harness_sim import observe_poll_then_abort
+import trio_sglang as ts
+from _approaches import PollThenAbort, StreamRecord
 from _stats import percentiles
 from _units import ms
 from _verdict import MachineState
-from trio_sglang_harness import Caller, CancelPhase, Observation, Scenario, open_sglang_harness
+from trio_sglang_harness import (
+    Caller,
+    CallerStream,
+    CancelPhase,
+    Observation,
+    Scenario,
+    observe_caller,
+    open_sglang_harness,
+    sim_scheduler_events,
+)
 
 __all__ = [
     "HARNESS_PHASES",
@@ -71,7 +69,6 @@ class HarnessPhase:
     name: str
     cancel: CancelPhase
     tokenize_delay: float
-    why: str
 
     def scenario(self, index: int, request: dict[str, Any] = REQUEST) -> Scenario:
         return Scenario(
@@ -84,30 +81,16 @@ class HarnessPhase:
         )
 
 
+#: The cancel in each is docs/benchmarks.md's ("Against NVIDIA Dynamo 1.6.1's own handler").
 HARNESS_PHASES: dict[str, HarnessPhase] = {
     phase.name: phase
     for phase in (
-        HarnessPhase(
-            "before_registration",
-            "before_registration",
-            0.05,
-            "the cancel comes as the request starts, before SGLang registers it",
-        ),
-        HarnessPhase("tokenizing", "tokenizing", 0.05, "at registration, 50 ms of tokenizing left"),
-        HarnessPhase(
-            "slow_tokenization",
-            "tokenizing",
-            0.5,
-            "at registration, 0.5 s of tokenizing left: longer than Dynamo's 0.25 s dispatch wait",
-        ),
-        HarnessPhase("dispatched", "dispatched", 0.0, "at dispatch, 50 ms before the first token"),
-        HarnessPhase("mid_stream", "mid_stream", 0.0, "after two chunks"),
-        HarnessPhase(
-            "consumer_leaves",
-            "consumer_leaves",
-            0.0,
-            "after two chunks the caller leaves without a cancel signal",
-        ),
+        HarnessPhase("before_registration", "before_registration", 0.05),
+        HarnessPhase("tokenizing", "tokenizing", 0.05),
+        HarnessPhase("slow_tokenization", "tokenizing", 0.5),
+        HarnessPhase("dispatched", "dispatched", 0.0),
+        HarnessPhase("mid_stream", "mid_stream", 0.0),
+        HarnessPhase("consumer_leaves", "consumer_leaves", 0.0),
     )
 }
 
@@ -144,16 +127,43 @@ async def run_model_sweep(repeats: int) -> list[dict[str, Any]]:
     """The same scenarios through the SimEngine's ``poll-then-abort`` (run it on a MockClock)."""
     rows = []
     for phase in HARNESS_PHASES.values():
-        runs = [
-            await observe_poll_then_abort(
-                phase.scenario(i),
-                first_token_delay=FIRST_TOKEN_DELAY,
-                token_interval=TOKEN_INTERVAL,
-            )
-            for i in range(repeats)
-        ]
+        runs = [await _observe_poll_then_abort(phase.scenario(i)) for i in range(repeats)]
         rows.append(_row("poll-then-abort", "sim", phase.name, runs))
     return rows
+
+
+async def _observe_poll_then_abort(scenario: Scenario) -> Observation:
+    """``scenario`` through ``poll-then-abort`` on a fresh SimEngine with the harness's timing.
+
+    The caller is the baseline's consumer; its stream ends when the pump is done with the
+    engine stream (what the real handler's stream ending is)."""
+    engine = ts.SimEngine(
+        tokenize_delay=scenario.tokenize_delay,
+        dispatch_delay=0.0,
+        first_token_delay=FIRST_TOKEN_DELAY,
+        token_interval=TOKEN_INTERVAL,
+    )
+    async with engine.running(), trio.open_nursery() as nursery:
+        baseline = PollThenAbort(engine, nursery)
+        events = partial(sim_scheduler_events, engine)
+        seen = await observe_caller(partial(_stream, baseline), engine, scenario, events)
+        nursery.cancel_scope.cancel()  # a retry still waiting, past the settle
+    return seen
+
+
+@asynccontextmanager
+async def _stream(
+    baseline: PollThenAbort, request: Mapping[str, Any]
+) -> AsyncIterator[CallerStream]:
+    rec = StreamRecord(offset=0.0)
+    async with baseline.stream(request, rec) as chunks:
+
+        async def rid() -> str:
+            await trio.lowlevel.checkpoint()
+            return rec.rid
+
+        yield CallerStream(chunks, "native", rec.cancel, rid)
+    await chunks.server_ended()
 
 
 def _reached(seen: Observation) -> bool:

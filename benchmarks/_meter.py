@@ -1,20 +1,12 @@
 """What a cell costs the process, and what else was going on while it ran.
 
 A slow p99 has three usual suspects besides the code under test, and the
-meter records each, so that the report can tell them apart:
-
-- the OS: on a shared 2-core machine another process gets the CPU in the
-  middle of a loop batch. For every batch of the trio run loop (from waking up
-  to going back to wait for I/O) the meter compares wall time with this
-  process's CPU time; the difference is time it was runnable but not running;
-- a long batch: many tasks runnable at once (a burst of outputs or cancels)
-  make the last of them wait for the others: the batch's CPU time;
-- the garbage collector: a collection stops everything; the meter times each
-  one (``gc.callbacks``).
-
-Each is stamped on the trio clock, so that the report can look only at the
-window in which cancels were being served (not at the burst of opening the
-streams before it).
+meter records each so that the report can tell them apart: the OS taking the
+CPU in the middle of a loop batch (wall time minus this process's CPU time,
+per batch), a long batch (its CPU time: many tasks runnable at once), and the
+garbage collector (each collection, timed through ``gc.callbacks``). Each is
+stamped on the trio clock, so that the report looks only at the window in
+which cancels were served.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Turn one cell's stream records and the engine's trace into the reported metrics.
 
-Everything is measured on the trio clock (real time here), which is also
-what the SimEngine stamps its trace with, so the caller's side and the
-engine's side are on one time line:
-
-- ``stream_close_ms``: from the cancel to the caller's block having exited;
-- ``abort_delay_ms``: from the later of the cancel and the dispatch to the
-  engine no longer holding the request (``abort_applied``, ``released`` or
-  ``finished`` in the trace). A request never registered was never held:
-  0. One still held at the end never stopped: infinite (``null`` in JSON);
-- ``wasted_tokens``: tokens the scheduler decoded after the cancel, per
-  request (for requests never stopped, only until the cell ended);
-- ``aborts_lost``: the scheduler's ``abort_lost`` events;
-- ``leaked``: the cell's rids the engine still holds after the settle.
+The definitions are docs/benchmarks.md's ("Method"). Everything is on the trio
+clock, which the SimEngine also stamps its trace with: one time line for the
+caller's side and the engine's.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import trio
@@ -26,9 +27,6 @@ __all__ = ["memory_per_request", "throughput_ratio"]
 BOUND = 120.0
 
 _PROMPT: dict[str, Any] = {"input_ids": [1, 2, 3, 4]}
-
-# A consumer: (engine or worker, request, index) -> tokens it read.
-_Consume = Callable[[Any, dict[str, Any], int], Awaitable[int]]
 
 
 async def _direct(engine: ts.SimEngine, request: dict[str, Any], index: int) -> int:
@@ -48,39 +46,37 @@ async def _through_worker(worker: ts.Worker, request: dict[str, Any], index: int
 
 
 @asynccontextmanager
-async def _running(engine: ts.SimEngine, via_worker: bool) -> AsyncIterator[Any]:
-    """The engine itself, or a worker over it; either way the engine runs for the block."""
+async def _consumer(
+    engine: ts.SimEngine, via_worker: bool, request: dict[str, Any]
+) -> AsyncIterator[Callable[[int], Awaitable[int]]]:
+    """Reads the stream with this index to its end, through a worker over the engine or from
+    the engine itself; either way the engine runs for the block."""
     if via_worker:
         async with ts.open_worker(engine) as worker:
-            yield worker
+            yield partial(_through_worker, worker, request)
     else:
         async with engine.running():
-            yield engine
-
-
-def _consumer(via_worker: bool) -> _Consume:
-    return _through_worker if via_worker else _direct
+            yield partial(_direct, engine, request)
 
 
 async def _tokens_per_second(via_worker: bool, streams: int, tokens: int) -> float:
     """All delays zero: the engine decodes as fast as the consumers can take it."""
     engine = ts.SimEngine(tokenize_delay=0, dispatch_delay=0, first_token_delay=0, token_interval=0)
     request = {**_PROMPT, "sampling_params": {"max_new_tokens": tokens}}
-    consume = _consumer(via_worker)
     read = 0
 
-    async def one(target: Any, index: int) -> None:
+    async def one(consume: Callable[[int], Awaitable[int]], index: int) -> None:
         nonlocal read
-        tokens = await consume(target, request, index)  # read after the await, not before
+        tokens = await consume(index)  # read after the await, not before
         read += tokens
 
     gc.collect()
-    async with _running(engine, via_worker) as target:
+    async with _consumer(engine, via_worker, request) as consume:
         started = time.perf_counter()
         with trio.fail_after(BOUND):
             async with trio.open_nursery() as nursery:
                 for index in range(streams):
-                    nursery.start_soon(one, target, index)
+                    nursery.start_soon(one, consume, index)
         elapsed = time.perf_counter() - started
     if read != streams * tokens:
         raise RuntimeError(f"read {read} tokens, expected {streams * tokens}")
@@ -88,13 +84,8 @@ async def _tokens_per_second(via_worker: bool, streams: int, tokens: int) -> flo
 
 
 async def throughput_ratio(rounds: int, streams: int = 100, tokens: int = 1000) -> dict[str, Any]:
-    """Tokens/s through the worker over tokens/s direct, runs interleaved.
-
-    After one uncounted warm-up of each, every round runs both, alternating
-    which goes first; the headline is the ratio of the best run of each (the
-    least disturbed by the machine), and the median of the per-round ratios is
-    reported beside it.
-    """
+    """Tokens/s through the worker over tokens/s direct, runs interleaved (the method is in
+    docs/benchmarks.md, "Method"): the best run of each is the least disturbed by the machine."""
     direct: list[float] = []
     worker: list[float] = []
     for via_worker in (False, True):  # warm-up, not counted
@@ -124,14 +115,16 @@ async def _parked_bytes(via_worker: bool, count: int) -> int:
         tokenize_delay=0, dispatch_delay=0, first_token_delay=3600, token_interval=1
     )
     request = {**_PROMPT, "sampling_params": {"max_new_tokens": 16}}
-    consume = _consumer(via_worker)
     gc.collect()
     tracemalloc.start()
     try:
-        async with _running(engine, via_worker) as target, trio.open_nursery() as nursery:
+        async with (
+            _consumer(engine, via_worker, request) as consume,
+            trio.open_nursery() as nursery,
+        ):
             before = tracemalloc.get_traced_memory()[0]
             for index in range(count):
-                nursery.start_soon(consume, target, request, index)
+                nursery.start_soon(consume, index)
             await wait_events(engine, "dispatched", count)
             gc.collect()
             used = tracemalloc.get_traced_memory()[0] - before
@@ -144,12 +137,8 @@ async def _parked_bytes(via_worker: bool, count: int) -> int:
 
 
 async def memory_per_request(count: int) -> dict[str, Any]:
-    """Worker bytes per in-flight request: (worker path - direct path) / count.
-
-    Both sides hold the same engine state and one consumer task per stream;
-    the worker side adds its stream object, cancel scope, context manager
-    frame and the caller's ``RequestContext``.
-    """
+    """Worker bytes per in-flight request: (worker path - direct path) / count. Both sides hold
+    the same engine state and one consumer task per stream."""
     direct = await _parked_bytes(False, count)
     worker = await _parked_bytes(True, count)
     return {

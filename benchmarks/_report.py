@@ -1,13 +1,8 @@
 """What the cancel-latency benchmark says: its ratios, its nine targets, its tables.
 
-stdout opens with what a person wants first: trio-sglang against the two
-baselines as ratios measured in the same run, then the targets with their
-verdicts, then the detail tables. Every table fits in 100 columns. The run's
-folder holds ``results.json``, ``latency.png`` and ``summary.md``; the tables,
-the progress bar and the files are every benchmark's (``_output.py``).
-
-The targets are this run's, so they live with its ``Report``; when a time
-target may be judged is the rule every benchmark shares (``_verdict.py``).
+stdout opens with trio-sglang against the two baselines as ratios measured in
+the same run, then the targets with their verdicts (judged by ``_verdict.py``'s
+rule), then the detail tables; every table fits in 100 columns.
 """
 
 from __future__ import annotations

@@ -1,52 +1,14 @@
 """How long leaving the worker takes with many detached aborts still pending.
 
-The SPEC bounds it by the policy's ``shutdown_grace`` plus twice what bare
-trio takes to cancel as many parked tasks as the worker holds, measured in
-the same run. To have cleanup that is really pending, the engine has no
-release path on close (``release_on_close=False``) and tokenizes for longer
-than the run: every killed stream leaves cleanup waiting (woken, bounded) for
-the dispatch it needs before it may abort, and the worker's exit has to
-cancel all of it after the grace.
-
-What the clock starts on is what a real server has when it is told to stop:
-
-- no collection between the setup and the clock. A server does not get one,
-  so the debt the collector carries from setting up the 1,000 streams is the
-  shutdown's to pay (unlike the cells, ``_meter.py``, which time cancels
-  served in a steady state, not the exit of a loaded process);
-- the worker's tasks are parked: the clock starts once every task of the run
-  is blocked, so that it does not also time the first steps of cleanup the
-  kills have only just handed over (that is the kills' cost, not the exit's).
-
-The floor (``_trio_floor.bare_trio_shutdown``: one scope cancelled over
-that many parked tasks in one nursery, the shutdown's own shape) counts the
-tasks, not the requests: on this engine each pending request holds two (the
-reader that keeps the engine's stream going until the dispatch, and the
-ordered abort that waits for it). ``Worker`` has no public count of its tasks
-(``pending_cleanups`` counts requests), so the count is trio's own, public
-one: the tasks alive in the run when the clock starts, less those alive with
-the same worker open and idle. That is every task the exit has to end, the
-engine's included (the SimEngine adds none per request here).
-
-Beside the floor, and judged by nothing, the same floor at the worker's own
-shape (``WORKER_SHAPE``): trio's cost of unwinding tasks as deep as the
-worker's, each inside the cancel scopes its waits are bounded by, so that the
-reader can tell that from the worker's own work.
-
-The floor runs right after the exit, in the same process and run, in the
-same heap (the setup's streams stay alive until it is done), with the
-collector on. Each of the two starts the same way: a collection before its
-own setup, none between its setup and its clock. So each pays the
-collector's debt of its own setup, and neither the other's: without the
-collection before the floor's setup, the full collection the shutdown's
-setup is owed (tens of milliseconds here) lands in whichever of the two
-tips it first, and the verdict follows where it fell: met when the floor
-paid it (its double then allowed that much more), missed by far when the
-shutdown did. Without the one before the shutdown's setup, the debt of the
-benchmark's steps before it (10,000 streams cancelled at once) would be the
-shutdown's. Neither measurement then depends on whether the other ran
-before or after it. ``gc_ms`` and ``trio_floor_gc_ms`` say how much of each
-went to the collector.
+The target and the method are docs/benchmarks.md's ("The misses", shutdown).
+The engine has no release path on close and tokenizes for longer than the
+run, so every killed stream leaves cleanup really pending. The clock starts
+once every task is parked, with no collection between the setup and the
+clock (a server told to stop gets none). The floor (``_trio_floor``) runs
+right after, in the same heap; each of the two is preceded by a collection
+of its own, so that each pays the collector's debt of its own setup and
+neither the other's: else the verdict follows wherever that one full
+collection happens to land.
 """
 
 from __future__ import annotations

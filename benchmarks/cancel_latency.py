@@ -3,21 +3,9 @@
     python benchmarks/cancel_latency.py [--quick | --full] [--out DIR]
         [--json PATH] [--plot PATH] [--concurrency 1,100,1000] [--phases tokenizing,...]
 
-Three sizes (``SIZES``): the default (about 2 minutes on 2 cores: every
-phase at 1, 100 and 1,000 streams, 10,000 at once, for all three
-approaches), ``--quick`` (CI's subset, under a minute) and ``--full`` (the
-whole sweep, with 10,000 streams per phase for trio-sglang; about 4 minutes
-on a quiet machine).
-
-Everything runs in this one process, in real time on trio's normal clock,
-each measurement on a fresh ``SimEngine`` with the same engine settings and
-the same cancel schedule for every approach (see docs/benchmarks.md for what
-each number means and the latest results). A progress bar goes to stderr,
-the tables to stdout: first the ratios against the baselines measured in
-this run, then the targets (``_verdict.py``: times are judged only on a quiet
-machine), then every cell. Every run writes ``results.json``, ``latency.png``
-and ``summary.md`` into a folder of its own (``bench-results/<UTC time>/``,
-or ``--out DIR``) and prints their paths.
+What it measures and prints, its sizes and the files it writes are in
+docs/benchmarks.md ("Running it", "Method"). Everything runs in this one
+process, in real time, each measurement on a fresh ``SimEngine``.
 """
 
 from __future__ import annotations
@@ -148,10 +136,6 @@ class Config:
         return data
 
 
-def grid(phases: Sequence[str], concurrency: Sequence[int]) -> tuple[tuple[str, int], ...]:
-    return tuple((phase, size) for phase in phases for size in concurrency)
-
-
 async def run_benchmark(config: Config, progress: Progress | None = None) -> Report:
     """Run everything the config asks for, in order: overhead, cells, at-once, shutdown."""
     steps = Progress(config.steps(), stream=io.StringIO()) if progress is None else progress
@@ -280,18 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def size_name(args: argparse.Namespace) -> str:
-    return "quick" if args.quick else "full" if args.full else "default"
-
-
 def config_from_args(args: argparse.Namespace) -> Config:
-    name = size_name(args)
+    name = "quick" if args.quick else "full" if args.full else "default"
     size = SIZES[name]
-    phases = args.phases or tuple(PHASES)
     approaches = args.approaches or tuple(APPROACHES)
     chosen: dict[str, Any] = {} if args.at_once is None else {"at_once": args.at_once}
     return Config(
-        grid=grid(phases, args.concurrency or size.concurrency),
+        grid=tuple(
+            (phase, streams)
+            for phase in args.phases or PHASES
+            for streams in args.concurrency or size.concurrency
+        ),
         size=name,
         approaches=approaches,
         baseline_max_concurrency=args.baseline_max_concurrency,
