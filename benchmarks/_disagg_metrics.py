@@ -1,31 +1,11 @@
 """Read one run's two traces into what the benchmark reports.
 
-All times are sim seconds on the run's ``MockClock``, the clock both engines
-stamp their traces with, so the clients' cancels and the engines' events are
-on one time line:
-
-- ``wasted_prefill_s``: per cancelled request, the prefill forward time spent
-  on it after the cancel. Each ``prefill_chunk`` event marks the end of one
-  chunk's forward, which took ``chunk tokens x prefill_time_per_token``; the
-  part of it after the cancel counts (SGLang applies an abort only between
-  two forwards, so the chunk in flight at the cancel is the least any
-  lifecycle wastes);
-- ``hol_delay_s``: per request whose client stays to the end (the same
-  requests in every approach), the dead forward time (forward time spent on
-  cancelled requests after their cancel) that ran while it waited in the
-  prefill queue. The prefill GPU serves one forward at a time, first come
-  first served, so its prefill, and so its first token, started that much
-  later because of dead work in front of it. It is a lower bound on the
-  whole delay: dead work done before it arrived also pushed back the live
-  work still ahead of it, which ``ttft_s`` shows;
-- ``ttft_s``: per request whose client stays, arrival to first token, at the client;
-- ``decode_hold_s``: per cancelled request, from the cancel until the decode
-  engine let go of its decode request (``abort_applied``, ``released``,
-  ``finished`` or ``kv_timeout``): the time it kept its KV reservation for a
-  client that was gone. 0 if it let go at once or never had it; infinite if
-  it still held it at the end;
-- ``phase``: where the request was at its cancel, from both traces (see
-  ``PHASES``).
+Every metric is defined in docs/benchmarks.md ("Disaggregated prefill",
+"Method"). All times are sim seconds on the run's ``MockClock``, the clock both
+engines stamp their traces with, so the clients' cancels and the engines'
+events are on one time line. ``hol_delay_s`` is a lower bound on the delay:
+dead work done before a request arrived also pushed back the live work still
+ahead of it, which ``ttft_s`` shows.
 """
 
 from __future__ import annotations
@@ -43,9 +23,8 @@ from trio_sglang._phases import Phase
 
 __all__ = ["HELD_AFTER", "PHASES", "ApproachResult", "PhaseResult", "summarize"]
 
-#: A request's life, as the benchmark names where a cancel landed (prefill side / decode side).
 #: The phases of the project's vocabulary (``trio_sglang._phases``) a pair's cancel can
-#: land in, as each side of the pair sees it.
+#: land in, as each side of the pair sees it (prefill side / decode side).
 PHASES: dict[Phase, str] = {
     "tokenizing": "both legs tokenizing, not yet at either scheduler",
     "bootstrap": "prefill in its bootstrap queue / decode in prealloc (the handshake)",

@@ -3,24 +3,17 @@
     python benchmarks/_sse_client.py --url URL --endpoint PATH --model NAME
         --streams N --max-tokens M --warmup S --window S --server-pid PID [--seed N]
 
-Opens ``N`` keep-alive connections, each streaming one request after another
-(``max_tokens`` tokens each; the first request of each stream asks for a random
-1 to ``M``, so that requests start and end at every moment from the start, as
-in a server that has been running). After ``warmup`` seconds it measures for
-``window`` seconds: the SSE events the streams received, and the CPU seconds of
-the server process (``/proc/PID/stat``) and of this one. Then it closes every
-connection and prints one JSON line (``Reading``).
-
-Why not httpx: the server is measured, so the client must read far more events
-per second than the server can send while spending little of the machine.
-Here nothing is parsed that does not need to be: one ``selectors`` loop, no
-event loop framework, and every read counted with ``bytes.count``. A data event
-starts a line with ``data: `` (JSON escapes a newline in a string, so the
-marker occurs nowhere else); a heartbeat is a chunk of its own holding two blank
-lines (``2\\r\\n\\n\\n``: no event is that short);
-the response ends with chunked transfer-encoding's last chunk, ``\\r\\n0\\r\\n\\r\\n``
-(a chunk size never has a leading zero). A marker split across two reads is
-found by counting over the previous read's last bytes too.
+What it does is in docs/benchmarks.md, "Serving throughput"; it prints one JSON
+line (``Reading``). Why not httpx: the server is measured, so the client must
+read far more events per second than the server can send while spending little
+of the machine. Here nothing is parsed that does not need to be: one
+``selectors`` loop, no event loop framework, and every read counted with
+``bytes.count``. A data event starts a line with ``data: `` (JSON escapes a
+newline in a string, so the marker occurs nowhere else); a heartbeat is a chunk
+of its own holding two blank lines (``2\\r\\n\\n\\n``: no event is that short);
+the response ends with chunked transfer-encoding's last chunk,
+``\\r\\n0\\r\\n\\r\\n`` (a chunk size never has a leading zero). A marker split
+across two reads is found by counting over the previous read's last bytes too.
 """
 
 from __future__ import annotations
@@ -91,6 +84,7 @@ class Reading:
         self.failures[why] = self.failures.get(why, 0) + 1
 
 
+@dataclass(slots=True, eq=False)
 class Response:
     """One streamed response, read as it comes: counted, never parsed further.
 
@@ -98,17 +92,14 @@ class Response:
     it says when the response ended (``ENDED``) or failed (a message).
     """
 
-    __slots__ = ("asked", "chunks", "done", "head", "in_body", "tail")
-
-    def __init__(self, asked: int) -> None:
-        #: Tokens the request asked for.
-        self.asked = asked
-        self.chunks = 0
-        self.done = False
-        self.head = b""
-        self.in_body = False
-        #: The previous read's last bytes: a marker split between two reads is still found.
-        self.tail = b""
+    #: Tokens the request asked for.
+    asked: int
+    chunks: int = 0
+    done: bool = False
+    head: bytes = b""
+    in_body: bool = False
+    #: The previous read's last bytes: a marker split between two reads is still found.
+    tail: bytes = b""
 
     def take(self, data: bytes, reading: Reading) -> str | None:
         if not self.in_body:
@@ -143,15 +134,13 @@ class Response:
 ENDED = "ended"
 
 
+@dataclass(slots=True, eq=False)
 class _Stream:
     """One connection, streaming one response at a time."""
 
-    __slots__ = ("index", "response", "sock")
-
-    def __init__(self, index: int, sock: socket.socket) -> None:
-        self.index = index
-        self.sock = sock
-        self.response = Response(0)
+    index: int
+    sock: socket.socket
+    response: Response = field(default_factory=lambda: Response(0))
 
 
 class _Clients:

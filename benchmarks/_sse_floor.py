@@ -2,22 +2,13 @@
 
     python benchmarks/_sse_floor.py --events PATH --token-interval S [--first-token-delay S]
 
-What ``serve_throughput.py`` measures ``trio-sglang serve`` against. hypercorn's
-own trio worker, configured as ``serve`` configures it, runs an app that does
-only what any streaming server must: read the request's body, answer 200 with
-``serve``'s SSE headers, send one event per token on the SimEngine's schedule
-(the first after ``first_token_delay``, then one every ``token_interval``),
-then ``[DONE]``, and stop as soon as its client goes. The events are
-``serve``'s own bytes, recorded by the benchmark from one of its responses
-(``--events``: a JSON list of strings, each one event's bytes): a request for
-``k`` tokens gets the recording's first ``k - 1`` events and its last one. So
-both servers put the same bytes on the wire, and whatever ``serve`` spends per
-chunk above this app is its own: the engine, the lifecycle, the JSON, the
-bookkeeping.
-
-It prints ``serving floor on http://HOST:PORT`` once listening (the line
-``_load_server`` waits for), answers ``GET /health``, and stops on SIGINT or
-SIGTERM.
+What ``serve_throughput.py`` measures ``trio-sglang serve`` against (docs/benchmarks.md,
+"Serving throughput"). The events are ``serve``'s own bytes, recorded by the
+benchmark (``--events``: a JSON list of strings, each one event's bytes): a
+request for ``k`` tokens gets the recording's first ``k - 1`` events and its
+last one. It prints ``serving floor on http://HOST:PORT`` once listening (the
+line ``_load_server`` waits for), answers ``GET /health``, and stops on SIGINT
+or SIGTERM.
 """
 
 from __future__ import annotations
@@ -27,25 +18,19 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from hypercorn.typing import ASGIFramework
 
+from trio_sglang.server._asgi import SSE_DONE, Receive, Scope, Send, send_sse, start_sse
+
 __all__ = ["FloorApp", "main"]
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-_DONE = b"data: [DONE]\n\n"
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 class FloorApp:
@@ -75,13 +60,13 @@ class FloorApp:
         events = self._events
         if tokens < len(events):
             events = (*events[: tokens - 1], events[-1])
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await start_sse(send)  # serve's own SSE headers
         due = trio.current_time() + self._first
         for event in events:
             await trio.sleep_until(due)
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send_sse(send, event)
             due += self._interval
-        await send({"type": "http.response.body", "body": _DONE, "more_body": False})
+        await send_sse(send, SSE_DONE, more=False)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -1,13 +1,8 @@
 """What the serving benchmark measured, and what it says: cells, targets, tables, JSON.
 
-A cell is one server read by the clients over one window at one stream count;
-a row puts ``serve``'s cells at a stream count beside the floor's, every round
-added up (CPU seconds over chunks, never an average of per-round ratios).
-
-The ratio serve/floor is measured in the same run, on the same machine, with
-the same bytes on the wire, so it is judged on every run. The absolute CPU per
-chunk is judged only on a quiet machine (``_verdict.judge_machine``; this
-benchmark records no event-loop stalls, so its rule is the load average alone).
+A row adds a server's cells at a stream count up, every round (CPU seconds over
+chunks, never an average of per-round ratios). What is judged, and when:
+docs/benchmarks.md, "Serving throughput".
 """
 
 from __future__ import annotations
@@ -63,18 +58,14 @@ class Side:
 
     @classmethod
     def of(cls, cells: Sequence[Cell]) -> Side:
+        """The cells' readings added up; ``failures``, kept per reason there, in all."""
         readings = [cell.reading for cell in cells]
-        return cls(
-            chunks=sum(r.chunks for r in readings),
-            heartbeats=sum(r.heartbeats for r in readings),
-            window_s=sum(r.window_s for r in readings),
-            server_cpu_s=sum(r.server_cpu_s for r in readings),
-            client_cpu_s=sum(r.client_cpu_s for r in readings),
-            tokens_completed=sum(r.tokens_completed for r in readings),
-            chunks_completed=sum(r.chunks_completed for r in readings),
-            failures=sum(sum(r.failures.values()) for r in readings),
-            late_streams=sum(r.late_streams for r in readings),
-        )
+        totals = {
+            name: sum(getattr(r, name) for r in readings)
+            for name in cls.__dataclass_fields__
+            if name != "failures"
+        }
+        return cls(**totals, failures=sum(sum(r.failures.values()) for r in readings))
 
     @property
     def us_per_chunk(self) -> float | None:
@@ -102,15 +93,9 @@ class Side:
         return self.tokens_completed / self.chunks_completed if self.chunks_completed else None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "us_per_chunk": self.us_per_chunk,
-            "chunks_per_s": self.chunks_per_s,
-            "server_cores": self.server_cores,
-            "client_cores": self.client_cores,
-            "client_us_per_chunk": self.client_us_per_chunk,
-            "tokens_per_chunk": self.tokens_per_chunk,
-        }
+        """The sums, then every figure derived from them (the properties, in their order)."""
+        derived = [name for name, value in vars(Side).items() if isinstance(value, property)]
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,24 +3,10 @@
     python benchmarks/disagg_cancel.py [--quick | --full] [--requests N] [--load L]
         [--cancel-share S] [--seed S] [--out DIR] [--json PATH]
 
-A prefill and a decode ``SimEngine`` (one shared ``SimKVRooms``), a
-trio-sglang prefill worker, and on the decode side one of three approaches
-(``_disagg_approaches.py``): this project's decode worker, the old Dynamo
-worker's first-response abort, and the half fix that cancels only the prefill
-leg. The same stream of long-context requests runs through each, a share of
-the clients leaving at random moments in every phase; the report says how
-much prefill compute went to clients that had left, how much that delayed
-everyone else's first token, and how long decode requests kept their KV
-reservation for nobody (ai-dynamo/dynamo#13691, #14368).
-
-Everything runs on trio's ``MockClock`` (autojump): the reported seconds are
-sim seconds, the modelled GPUs' time, exact and the same on any machine; only
-the runtime line is wall time. Progress on stderr, the tables on stdout,
-every number in ``disagg.json``, the totals in a section of ``summary.md``,
-both in a results folder (``--out DIR``, by default a new
-``bench-results/<UTC time>/``; ``nox -s bench`` gives both benchmarks the
-same one) whose paths it prints. ``--full`` is the default size, so that
-``nox -s bench -- --full`` can pass it to both benchmarks.
+What it measures and how, the approaches, the workload and every metric:
+docs/benchmarks.md, "Disaggregated prefill: what a cancel leaves running".
+``--full`` is the default size, so that ``nox -s bench -- --full`` can pass it
+to both benchmarks.
 """
 
 from __future__ import annotations
@@ -34,9 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from _disagg_approaches import PD_APPROACHES
 from _disagg_metrics import HELD_AFTER, PHASES, ApproachResult, summarize
-from _disagg_run import PROGRESS_STEPS, Workload, run_approach
+from _disagg_run import PD_APPROACHES, PROGRESS_STEPS, Workload, run_approach
 from _output import Progress, add_file_options, results_folder, table, wrap
 from _report_base import Column, SummaryReport, columns_table
 from _stats import percentiles
@@ -44,15 +29,7 @@ from _units import sig3
 from _verdict import Target
 from cancel_latency import _LogCounter
 
-__all__ = [
-    "FULL",
-    "QUICK",
-    "Config",
-    "Report",
-    "build_parser",
-    "main",
-    "run_benchmark",
-]
+__all__ = ["FULL", "QUICK", "Config", "Report", "build_parser", "main", "run_benchmark"]
 
 #: The default run, and ``--quick`` (what CI runs, a few seconds).
 FULL = Workload()
@@ -89,15 +66,7 @@ class Report(SummaryReport):
 
     def lines(self) -> list[str]:
         return [
-            *self._about(),
-            "",
-            PREFILL_ABOUT,
-            "",
-            *columns_table(PREFILL, self.results),
-            "",
-            *wrap(f"Decode side ({HELD}; 'never' = still held at the end):"),
-            "",
-            *columns_table(DECODE, self.results),
+            *self._totals(wrap(f"Decode side ({HELD}; 'never' = still held at the end):")),
             "",
             "Per phase at the cancel (wasted prefill s, decode hold s: p50/p99/max):",
             "",
@@ -116,18 +85,24 @@ class Report(SummaryReport):
             [
                 "## Prefill/decode pair (disagg_cancel.py)",
                 "",
-                *self._about(),
-                "",
-                PREFILL_ABOUT,
-                "",
-                *columns_table(PREFILL, self.results, markdown=True),
-                "",
-                f"Decode side ({HELD}):",
-                "",
-                *columns_table(DECODE, self.results, markdown=True),
+                *self._totals([f"Decode side ({HELD}):"], markdown=True),
                 "",
             ]
         )
+
+    def _totals(self, decode_about: list[str], *, markdown: bool = False) -> list[str]:
+        """The about lines and the two totals tables, as text or Markdown."""
+        return [
+            *self._about(),
+            "",
+            PREFILL_ABOUT,
+            "",
+            *columns_table(PREFILL, self.results, markdown=markdown),
+            "",
+            *decode_about,
+            "",
+            *columns_table(DECODE, self.results, markdown=markdown),
+        ]
 
     def _about(self) -> list[str]:
         w = self.config.workload
@@ -284,14 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     workload = QUICK if args.quick else FULL
     chosen = {
-        name: value
-        for name, value in (
-            ("requests", args.requests),
-            ("load", args.load),
-            ("cancel_share", args.cancel_share),
-            ("seed", args.seed),
-        )
-        if value is not None
+        name: getattr(args, name)
+        for name in ("requests", "load", "cancel_share", "seed")
+        if getattr(args, name) is not None
     }
     return Config(replace(workload, **chosen))
 

@@ -4,30 +4,13 @@
         [--max-tokens 128] [--endpoint /v1/chat/completions] [--rounds 2]
         [--warmup 1.5] [--window 4] [--out DIR] [--json PATH]
 
-Per stream count, two servers run side by side as subprocesses: ``trio-sglang
-serve`` on the SimEngine, as a user runs it, and the floor (``_sse_floor.py``):
-hypercorn's own trio worker, configured as ``serve`` configures it, with an
-app that streams ``serve``'s own SSE bytes (recorded from one of its
-responses) on the same schedule, with no engine. A client process
-(``_sse_client.py``, raw sockets: it reads far more events per second than a
-server sends) keeps that many streams busy on one of them, and measures over a
-window the data events read and the server process's CPU seconds; the rounds
-alternate between the two servers, so that both see the same machine.
-
-The offered load is the same at every stream count, ``rate`` tokens a second in
-all (each stream gets a token every ``streams / rate`` s), so that each row
-measures the same work spread over more streams. A fixed fast interval would
-ask 1,000 streams for a million tokens a second: that measures the SimEngine's
-decode loop, and a server behind coalesces its backlog into fewer, larger
-events, which no longer compare with the floor's. ``tok/chunk`` shows whether
-``serve`` had to; the clients' own CPU shows they were not the bottleneck.
-
-Progress on stderr, the table on stdout, every number in
-``serve_throughput.json`` and the table in a section of ``summary.md``, in the
-results folder (``--out DIR``, by default a new ``bench-results/<UTC time>/``).
-The exit status is 1 if a check on the run's validity failed (a request
-failed, a cell read nothing, the clients used too much CPU); the targets are
-reported, not required.
+What runs (``serve``, the floor ``_sse_floor.py``, the client ``_sse_client.py``),
+the offered load and what is judged: docs/benchmarks.md, "Serving throughput".
+The offered load is the same at every stream count (``rate`` tokens a second in
+all), so that each row measures the same work spread over more streams. The exit
+status is 1 if a check on the run's validity failed (a request failed, a cell
+read nothing, the clients used too much CPU); the targets are reported, not
+required.
 """
 
 from __future__ import annotations
@@ -39,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -58,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 CLIENT = HERE / "_sse_client.py"
 FLOOR = HERE / "_sse_floor.py"
 SGLANG = HERE / "_sglang_http.py"
+#: The floor's events, in the run's scratch folder.
+EVENTS = "events.json"
 #: Seconds between two tokens of the response the floor's events are recorded from.
 RECORD_INTERVAL = 0.01
 
@@ -110,16 +95,25 @@ class Config:
             *("--sim-first-token-delay", interval, "--sim-token-interval", interval),
         ]
 
-    def floor_args(self, streams: int, events: Path) -> list[str]:
-        return ["--events", str(events), *self._pace(streams)]
-
-    def sglang_args(self, streams: int, workdir: Path) -> list[str]:
-        return ["--workdir", str(workdir), *self._pace(streams)]
-
-    def _pace(self, streams: int) -> list[str]:
-        """The floor's and the stand-in scheduler's timing, the SimEngine's in ``serve``."""
+    def launch(
+        self, name: Server, streams: int, scratch: Path
+    ) -> tuple[list[str], list[str] | None, float]:
+        """How ``name`` is started: its arguments, its command (None: ``serve``) and its start
+        bound. The floor and the stand-in scheduler pace as the SimEngine does in ``serve``."""
         interval = f"{self.interval(streams):g}"
-        return ["--first-token-delay", interval, "--token-interval", interval]
+        pace = ["--first-token-delay", interval, "--token-interval", interval]
+        if name == "serve":
+            return self.serve_args(streams), None, self.start_timeout
+        if name == "floor":
+            command = [sys.executable, str(FLOOR), "--port", "0"]
+            return ["--events", str(scratch / EVENTS), *pace], command, self.start_timeout
+        workdir = scratch / f"{name}-{streams}"
+        workdir.mkdir()
+        return (
+            ["--workdir", str(workdir), *pace, *("--server", name, "--loop", self.hosted_loop)],
+            [sys.executable, str(SGLANG)],
+            self.sglang_start_timeout,
+        )
 
 
 FULL = Config()
@@ -137,7 +131,9 @@ async def record_events(config: Config, tries: int = 5) -> list[str]:
     """
     interval = f"{RECORD_INTERVAL:g}"
     args = ["--sim-first-token-delay", interval, "--sim-token-interval", interval]
-    async with _open_server(config, args) as server:
+    async with open_server(
+        args, start_timeout=config.start_timeout, http_timeout=config.http_timeout
+    ) as server:
         model = await server.model()
         body = request_body(config.endpoint, "hello", config.max_tokens, model=model)
         for _ in range(tries):
@@ -172,53 +168,22 @@ async def read_streams(server: ServerProcess, streams: int, config: Config) -> R
     return reading_from(done.stdout.decode().strip().splitlines()[-1])
 
 
-def _open_server(
-    config: Config,
-    args: Sequence[str],
-    command: Sequence[str] | None = None,
-    start_timeout: float | None = None,
-) -> AbstractAsyncContextManager[ServerProcess]:
-    return open_server(
-        args,
-        start_timeout=config.start_timeout if start_timeout is None else start_timeout,
-        http_timeout=config.http_timeout,
-        command=command,
-    )
-
-
 @asynccontextmanager
 async def _servers(
-    config: Config, streams: int, events: Path, progress: Progress
+    config: Config, streams: int, scratch: Path, progress: Progress
 ) -> AsyncIterator[dict[str, ServerProcess]]:
     """The servers at this stream count's interval, all up; stopped after."""
     progress.start(f"{streams:,} streams: starting {', '.join(config.servers)}")
     async with AsyncExitStack() as stack:
-        servers = {
-            "serve": await stack.enter_async_context(
-                _open_server(config, config.serve_args(streams))
-            ),
-            "floor": await stack.enter_async_context(
-                _open_server(
-                    config,
-                    config.floor_args(streams, events),
-                    [sys.executable, str(FLOOR), "--port", "0"],
-                )
-            ),
-        }
-        for name in ("sglang", "hosted"):
-            if name not in config.servers:
-                continue
-            workdir = events.parent / f"{name}-{streams}"
-            workdir.mkdir()
+        servers: dict[str, ServerProcess] = {}
+        for name in config.servers:
+            args, command, start_timeout = config.launch(name, streams, scratch)
             servers[name] = await stack.enter_async_context(
-                _open_server(
-                    config,
-                    [
-                        *config.sglang_args(streams, workdir),
-                        *("--server", name, "--loop", config.hosted_loop),
-                    ],
-                    [sys.executable, str(SGLANG)],
-                    config.sglang_start_timeout,
+                open_server(
+                    args,
+                    start_timeout=start_timeout,
+                    http_timeout=config.http_timeout,
+                    command=command,
                 )
             )
         progress.step_done()
@@ -237,11 +202,10 @@ async def run_benchmark(config: Config, progress: Progress) -> ThroughputReport:
     started, children_before = time.perf_counter(), _own_cpu()
     with tempfile.TemporaryDirectory(prefix="serve-throughput-") as scratch:
         progress.start("recording serve's events for the floor")
-        events = Path(scratch) / "events.json"
-        events.write_text(json.dumps(await record_events(config)))
+        (Path(scratch) / EVENTS).write_text(json.dumps(await record_events(config)))
         progress.step_done()
         for streams in sorted(config.streams):
-            async with _servers(config, streams, events, progress) as servers:
+            async with _servers(config, streams, Path(scratch), progress) as servers:
                 for round_ in range(config.rounds):
                     for name in config.servers:
                         progress.start(
