@@ -1,17 +1,12 @@
 """The floor of Dynamo's runtime: a plain asyncio worker that yields tokens and polls nothing.
 
-Run as a process by ``dynamo_cancel.py`` beside ``trio-sglang dynamo-worker``
-(``python _dynamo_plain_worker.py --model-name plain --metrics-port P``). It
-registers the same tiny model, the same way, on uvloop, and yields one token
-per ``--token-interval`` after ``--first-token-delay``, as the SimEngine does.
-There is no engine, no tokenizer work and no lifecycle: each request is one
-generator that stops the instant the runtime's context fires (it waits on
-``async_killed_or_stopped()`` between tokens). Whatever this worker costs, or
-takes to let go, is the runtime's and asyncio's own.
-
-Every GET on ``--metrics-port`` answers its live requests as a bare number,
-as ``GET /live_requests`` of a trio-sglang worker does, so the benchmark
-reads both alike.
+Run by ``dynamo_cancel.py`` beside ``trio-sglang dynamo-worker``
+(docs/benchmarks.md, "Behind Dynamo"): the same tiny model, registered the
+same way, on uvloop, with the SimEngine's token timing; no engine, no
+tokenizer work, no lifecycle. Whatever it costs, or takes to let go, is the
+runtime's and asyncio's own. Every GET on ``--metrics-port`` answers its live
+requests as a bare number, as ``GET /live_requests`` of a trio-sglang worker
+does, so the benchmark reads both alike.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from _subprocesses import Process, answer_json, free_ports, healthy, served_url, wait_until
 
-__all__ = ["ROUTERS", "start_router", "start_workers"]
+__all__ = ["ROUTERS", "start_router", "start_workers", "wait_serving"]
 
 #: The routers SGLang deployments put in front of their workers, by name: the module each
 #: runs as (``python -m ...``). Both take the same options for what the tests use: smg
@@ -25,8 +25,9 @@ ROUTERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _wait_serving(process: Process, timeout: float) -> str:
-    """The URL ``serve`` reports, once /health answers 200 there."""
+def wait_serving(process: Process, timeout: float, health_timeout: float | None = None) -> str:
+    """The URL ``process`` reports ("serving ... on URL"), once /health answers 200 there
+    (within ``health_timeout``, by default ``timeout``)."""
     wait_until(
         f"{process.name} to report its URL",
         lambda: served_url(process.output()) is not None,
@@ -38,7 +39,7 @@ def _wait_serving(process: Process, timeout: float) -> str:
     wait_until(
         f"{process.name} to answer /health",
         lambda: healthy(url),
-        timeout,
+        timeout if health_timeout is None else health_timeout,
         process,
     )
     return url
@@ -56,7 +57,7 @@ def start_workers(
     try:
         for name in names:
             started.append(Process(name, command, log_dir / f"{name}.log"))
-        workers = [(process, _wait_serving(process, timeout)) for process in started]
+        workers = [(process, wait_serving(process, timeout)) for process in started]
     except BaseException:
         for process in started:
             process.stop()

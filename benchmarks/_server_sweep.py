@@ -1,17 +1,12 @@
 """Clients leaving two HTTP servers on the whole SGLang engine: SGLang's own, and ``serve``.
 
 Each server runs over its own ``sglang.Engine`` on this CPU (the tiny model,
-``_http_servers_cpu.py``), started one after the other in the same run. A
-client sends a streaming ``/generate`` over a raw socket and closes it at one
-of three moments: right after sending (the request is being registered or
-tokenized), in the middle of a slow tokenization, or after two chunks. What
-counts is the scheduler's own word, read over HTTP: SGLang's ``/v1/loads``
-and ``serve``'s ``trio_sglang_scheduler_requests`` are both the load snapshot
-SGLang's scheduler publishes. From the close, the client's side polls it for
-a window; "until idle" is the last moment it still showed the request (0
-when it never did: the request never ran), and a request it still shows at
-the end of the window was left decoding for nobody. The scheduler publishes
-every few decode steps, so a figure is good to a few milliseconds.
+``_http_servers_cpu.py``), one after the other; the method is in
+docs/benchmarks.md, "On the whole sglang.Engine, on the CPU" (its HTTP
+servers' table). SGLang's ``/v1/loads`` and ``serve``'s
+``trio_sglang_scheduler_requests`` are both the load snapshot SGLang's
+scheduler publishes, every few decode steps, so a figure is good to a few
+milliseconds.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +60,13 @@ class Server:
     holds: Callable[[], int]
 
 
-def _sglang_holds(url: str) -> Callable[[], int]:
-    def holds() -> int:
-        ranks = httpx.get(f"{url}/v1/loads", timeout=5).json()["loads"]  # one per DP rank
-        return sum(int(r["num_running_reqs"]) + int(r["num_waiting_reqs"]) for r in ranks)
-
-    return holds
+def _sglang_holds(url: str) -> int:
+    ranks = httpx.get(f"{url}/v1/loads", timeout=5).json()["loads"]  # one per DP rank
+    return sum(int(r["num_running_reqs"]) + int(r["num_waiting_reqs"]) for r in ranks)
 
 
-def _serve_holds(url: str) -> Callable[[], int]:
-    def holds() -> int:
-        return int(gauge(url, "trio_sglang_scheduler_requests", default=0))
-
-    return holds
+def _serve_holds(url: str) -> int:
+    return int(gauge(url, "trio_sglang_scheduler_requests", default=0))
 
 
 @contextmanager
@@ -97,15 +87,15 @@ def started(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(f"{name} to answer", lambda: healthy(url), 300, process)
-        yield Server(name, url, holds(url))
+        yield Server(name, url, partial(holds, url))
     finally:
         process.stop(timeout=30)
 
 
-def leave(server: Server, phase: str) -> float:
+def leave(server: Server, phase: str, *, max_new_tokens: int = MAX_NEW_TOKENS) -> float:
     """One client, gone at ``phase``; the moment it closed (``time.monotonic``)."""
     prompt, after, chunks = SERVER_PHASES[phase]
-    params = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+    params = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
     return close_after(server.url, {"text": prompt, "sampling_params": params}, after, chunks)
 
 

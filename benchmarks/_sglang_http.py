@@ -4,33 +4,22 @@
         [--first-token-delay S] [--slow-tokenize S] [--server {sglang,trio-sglang,hosted}] \
         [--loop {guest,trio-asyncio}]
 
-What ``serve_throughput.py --sglang`` measures beside ``serve`` and the floor,
-and what ``release_servers.py`` compares on each SGLang release. SGLang's own
-server (the default) is started as ``launch_server`` starts it
-(``_setup_and_run_http_server``: its FastAPI app, its OpenAI handlers, its
-warm-up, uvicorn on uvloop); ``--server trio-sglang`` is trio-sglang's
-``serve`` over ``SGLangEngine`` with its own routes, and ``--server hosted``
-the same with SGLang's server application hosted (``serve --engine sglang``'s
-way: SGLang's routes, trio-sglang's connection and lifecycle); both run trio
-as the guest of uvloop, or with ``--loop trio-asyncio`` trio-asyncio's loop
-inside trio, as ``serve --loop`` does. Each runs on the real ``TokenizerManager``
-built as the GPU-free harness builds it (``trio_sglang_harness.open_tokenizer_manager``,
-for whichever SGLang release is installed) and the harness's stand-in
-scheduler in place of the GPU scheduler and the detokenizer: a process of its
-own, whose CPU is not the server's, as a GPU scheduler's is not. The stand-in
-sends a token every ``--token-interval`` s per request, already detokenized,
-as SGLang's detokenizer would, and logs what it did to ``DIR/scheduler-*.jsonl``.
+What ``serve_throughput.py --sglang`` measures beside ``serve`` and the floor
+(docs/benchmarks.md, "SGLang's own HTTP server"), and what
+``release_servers.py`` compares on each SGLang release. ``--server sglang`` is
+started as ``launch_server`` starts it (``_setup_and_run_http_server``);
+``trio-sglang`` is ``serve`` over ``SGLangEngine`` with its own routes, and
+``hosted`` the same with SGLang's server application hosted (``serve --engine
+sglang``'s way), on trio as uvloop's guest or in trio-asyncio (``--loop``).
+The stand-in scheduler (``trio_sglang_harness.open_tokenizer_manager``) sends
+a token every ``--token-interval`` s per request, already detokenized, and
+logs what it did to ``DIR/scheduler-*.jsonl``.
 
 A prompt that starts with ``_http_servers_cpu.SLOW_PROMPT`` is tokenized
 ``--slow-tokenize`` s late. SGLang's server also answers ``GET
 /trio_sglang/states`` with ``{"states": N}``, the size of its TokenizerManager's
-``rid_to_state`` (``serve`` has the ``trio_sglang_engine_live_requests`` gauge).
-
-It prints ``serving sglang on http://HOST:PORT`` (or ``serving trio-sglang``,
-``serving hosted``)
-once the server answers (the line ``_load_server`` waits for), and stops on
-SIGINT or SIGTERM. Needs the ``sglang`` extra, and what SGLang's HTTP server
-imports beside it (``soundfile``, ``python-multipart``).
+``rid_to_state``. It prints ``serving {sglang,trio-sglang,hosted} on URL`` once
+it answers (the line ``_load_server`` waits for), and stops on SIGINT or SIGTERM.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """CPU spent waiting for dispatch: one poller per engine against one polling loop per request.
 
-``SGLangEngine`` cannot be told when SGLang registers or dispatches a request;
-it has to look. This measures what looking costs while 1, 100 and 1,000
-requests wait for their dispatch, at SGLang's 0.5 ms tick, on a stand-in
-registry (a dict of phases, as ``rid_to_state`` is): ``PhasePoller`` (one task
-looks at every waiter once per tick, what ``SGLangEngine`` runs) against a
-loop per waiter that sleeps a tick and looks for itself (what it ran before).
-Real time, CPU from ``time.process_time``; a ratio of the two in each row.
+Described in docs/benchmarks.md, "Waiting for dispatch on SGLang": 1, 100 and
+1,000 requests wait at SGLang's 0.5 ms tick on a stand-in registry (a dict of
+phases, as ``rid_to_state`` is). Real time, CPU from ``time.process_time``.
 
     python benchmarks/dispatch_polling.py [--seconds 2]
 """

@@ -1,36 +1,11 @@
 """Behind Dynamo: a client leaving at the frontend, to nothing live at the worker; CPU per token.
 
-One Dynamo frontend (``python -m dynamo.frontend``) and three workers, on
-loopback with discovery in a temporary folder (no etcd, no NATS), each
-serving a model of its own with the same token timing:
-
-- ``trio-sglang (guest)``: ``trio-sglang dynamo-worker``, trio as uvloop's guest (the default);
-- ``trio-sglang (trio-asyncio)``: the same worker over trio-asyncio;
-- ``plain asyncio``: ``_dynamo_plain_worker.py``, the runtime's floor: a generator
-  that yields the same tokens, polls nothing, and stops the instant the
-  runtime's context fires. No engine, no lifecycle.
-
-For each worker, in the same run:
-
-1. **sequential**: a stream reads 3 tokens and closes its connection; the time
-   from the close to the worker's ``GET /live_requests`` reading 0, polled
-   every 0.5 ms. Repeated ``--repeats`` times.
-2. **burst**: 128 streams read at once; 64 of them close at the same instant.
-   Each release is timed from that instant by the steps of ``/live_requests``
-   down to 64 (the other 64 stay meanwhile). ``test_dynamo.py`` checks that
-   those who stay get every token.
-3. **CPU per streamed token**: ``--streams`` streams of ``--tokens`` tokens read
-   to the end; the worker process's CPU (user + system, from /proc) over the
-   tokens the clients received.
-4. **lost and leaked**: the SimEngine's ``abort_lost`` (trio-sglang workers) and
-   the live requests left after every phase.
-
-Targets: the sequential p99 (time, judged on a quiet machine only), and the
-burst p99 and CPU per token as ratios to the plain worker's from the same run
-(judged on every run). Needs the ``dynamo`` extra and Dynamo's frontend
-(``nox -s bench -- --dynamo`` installs both).
-
     python benchmarks/dynamo_cancel.py [--quick] [--json PATH]
+
+The workers, phases and targets are in docs/benchmarks.md, "Behind Dynamo".
+Beside them, the SimEngine's ``abort_lost`` (trio-sglang workers) and the live
+requests left after every phase count as lost and leaked. Needs the ``dynamo``
+extra and Dynamo's frontend (``nox -s bench -- --dynamo`` installs both).
 """
 
 from __future__ import annotations
@@ -44,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,15 +68,10 @@ class WorkerRun:
     leaked: int = 0
 
     def to_json(self) -> dict[str, Any]:
+        """Every field, each list of milliseconds as its summary."""
         return {
-            "name": self.name,
-            "sequential_ms": _summary(self.sequential_ms),
-            "burst_ms": _summary(self.burst_ms),
-            "probe_ms": _summary(self.probe_ms),
-            "cpu_us_per_token": self.cpu_us_per_token,
-            "tokens_streamed": self.tokens_streamed,
-            "lost": self.lost,
-            "leaked": self.leaked,
+            key: _summary(value) if key.endswith("_ms") else value
+            for key, value in asdict(self).items()
         }
 
 
@@ -138,6 +108,13 @@ class Probe:
 
         return poll_until(reading, RELEASE_TIMEOUT, poll=POLL_INTERVAL) is not None
 
+    def settle(self, run: WorkerRun) -> bool:
+        """Whether nothing is live within ``RELEASE_TIMEOUT``; else ``run`` counts what leaked."""
+        if self.until(lambda live: live == 0, lambda live: None):
+            return True
+        run.leaked += self.live()
+        return False
+
 
 def _machine_busy_seconds() -> float:
     """CPU seconds the whole machine has spent busy (``/proc/stat``: all but idle and iowait)."""
@@ -169,10 +146,8 @@ def sequential(url: str, model: str, probe: Probe, repeats: int, run: WorkerRun)
     for _ in range(repeats):
         body = _body(model, 100_000)
         left = stream_then_leave(url, "/v1/completions", body, chunks=3, timeout=5.0)
-        if probe.until(lambda live: live == 0, lambda live: None):
+        if probe.settle(run):
             run.sequential_ms.append((time.monotonic() - left) * 1000)
-        else:
-            run.leaked += probe.live()
 
 
 def burst(url: str, model: str, probe: Probe, run: WorkerRun) -> None:
@@ -207,8 +182,7 @@ def burst(url: str, model: str, probe: Probe, run: WorkerRun) -> None:
         measured.set()
         for future in futures:
             future.result()
-    if not probe.until(lambda live: live == 0, lambda live: None):
-        run.leaked += probe.live()
+    probe.settle(run)
 
 
 def cpu_per_token(

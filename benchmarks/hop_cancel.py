@@ -1,23 +1,10 @@
 """Cancel-to-free latency across a hop: bench-endpoint through Dynamo's frontend in cluster
 mode and through a router, beside the same worker reached directly.
 
-Every setup is one worker on the SimEngine with its default timing (first
-token after 50 ms, then one every 20 ms), as processes on loopback, so that
-only the hop differs:
-
-- ``direct``: a ``trio-sglang serve``, the baseline;
-- ``smg`` and ``sglang-router``: a ``serve`` behind the router;
-- ``dynamo <request plane>/<event plane>``: etcd and nats-server, Dynamo's
-  frontend and a ``trio-sglang dynamo-worker`` with etcd discovery, for each
-  combination of planes.
-
-For each, ``trio-sglang bench-endpoint`` sends clients that leave in its eight
-ways (before the headers, before the first token, at it, mid-stream; each with
-a FIN and with a reset), ``--clients`` of each, 8 at once, and reads each
-release from the worker's own gauges. The table: per setup, every release's
-p50 / p99 / max, what was leaked or failed, and the p50 and p99 as ratios to
-the direct worker's from the same run. The setups run one after another.
-``router_cancel.py`` runs its own clients through ``behind_router`` and ``bench``.
+The setups and the method are in docs/benchmarks.md, "Across a hop: Dynamo in
+cluster mode, smg and sglang-router": one SimEngine worker each, so that only
+the hop differs, run one after another. ``router_cancel.py`` runs its own
+clients through ``behind_router`` and ``bench``.
 """
 
 from __future__ import annotations

@@ -2,18 +2,9 @@
 
     python benchmarks/missed_aborts.py [--cancels N] [--json PATH]
 
-Both servers run over their own ``sglang.Engine`` on this CPU (the tiny
-model, ``_http_servers_cpu.py --miss-first-abort``), one after the other,
-with the same fault injected into SGLang's scheduler (``_missed_aborts.py``):
-it lets every request's first abort pass it by, as SGLang issue #36876 does
-to a request moving between batches. Whichever SGLang is importable runs
-(``PYTHONPATH`` set to another release's folder runs that one). A client
-streams ``/generate`` (``MAX_NEW_TOKENS``, seconds of decoding) and closes
-its connection after two chunks; the scheduler's own load snapshot says,
-for ``WINDOW`` seconds from the close, when it last held the request, and
-whether it still does: a request it holds at the end was left decoding for
-nobody (and is let run to its end before the next client). The server's log
-says how many aborts the scheduler missed, so that a server that never
+The method is in docs/benchmarks.md, "When SGLang's scheduler misses the
+abort"; the fault is ``_http_servers_cpu.py --miss-first-abort``. The server's
+log says how many aborts the scheduler missed, so that a server that never
 aborted at all is not mistaken for one that aborted twice.
 """
 
@@ -27,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _leaving_client import close_after
-from _missed_aborts import MISSED
+from _http_servers_cpu import MISSED
 from _output import write_json
-from _server_sweep import Server, started, watch
+from _server_sweep import WINDOW, Server, started, watch
+from _server_sweep import leave as leave_at
 from _stats import percentiles
 from _subprocesses import gauge
 
@@ -43,8 +34,7 @@ SERVERS = ("sglang-server", "trio-sglang-serve")
 
 def leave(server: Server) -> float:
     """One client, gone after two chunks; the moment it closed (``time.monotonic``)."""
-    params = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
-    return close_after(server.url, {"text": "hello world", "sampling_params": params}, 0.0, 2)
+    return leave_at(server, "mid_stream", max_new_tokens=MAX_NEW_TOKENS)
 
 
 def missed(log: Path) -> int:
@@ -85,8 +75,6 @@ def run(model: Path, folder: Path, cancels: int) -> list[dict[str, Any]]:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    from _server_sweep import WINDOW
-
     lines = [
         f"SGLang {rows[0]['sglang']}, its scheduler missing each request's first abort; "
         f"clients leaving after two chunks of {MAX_NEW_TOKENS} tokens, each watched {WINDOW} s",

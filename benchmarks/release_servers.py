@@ -3,15 +3,10 @@
     python benchmarks/release_servers.py [--repeats N] [--json PATH]
 
 Measures whichever SGLang is importable: ``nox -s sglang-matrix -- --servers``
-runs it on each release of the matrix. Each server runs over the release's
-real TokenizerManager and the stand-in scheduler (``_sglang_http.py``), one
-after the other. A client sends a streaming ``/generate`` and closes its
-connection at one of the phases below; for ``WINDOW`` seconds from the close
-(longer than the 2 s SGLang's server waits before it aborts a disconnected
-request) nothing else runs, then the stand-in scheduler's log says what
-happened to every request the client caused (warm-up and ``n > 1`` children
-included), and the server says how many request states its TokenizerManager
-still holds:
+runs it on each release of the matrix; the method is in docs/engines.md,
+"Every SGLang release from 0.5.10". Each server runs over the release's real
+TokenizerManager and the stand-in scheduler (``_sglang_http.py``), one after
+the other. What a client caused counts warm-up and ``n > 1`` children:
 
 - ``reached``: requests the scheduler received;
 - ``left_decoding``: of those, the ones still decoding at the end of the
@@ -38,7 +33,8 @@ import httpx
 from _http_servers_cpu import SLOW_PROMPT
 from _leaving_client import close_after
 from _output import write_json
-from _subprocesses import Process, gauge, healthy, served_url, wait_until
+from _serve_processes import wait_serving
+from _subprocesses import Process, gauge, wait_until
 from trio_sglang_harness import logged_since
 
 HERE = Path(__file__).resolve().parent
@@ -89,15 +85,7 @@ def started(name: str, folder: Path) -> Iterator[Server]:
     ]
     process = Process(name, command, folder / f"{name}.log")
     try:
-        wait_until(
-            f"{name} to print its URL",
-            lambda: served_url(process.output()) is not None,
-            300,
-            process,
-        )
-        url = served_url(process.output())
-        assert url is not None
-        wait_until(f"{name} to answer", lambda: healthy(url), 60, process)
+        url = wait_serving(process, 300, health_timeout=60)
         yield Server(name, url, workdir / f"scheduler-{process.pid}.jsonl")
     finally:
         process.stop(timeout=30)

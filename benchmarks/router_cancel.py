@@ -3,29 +3,12 @@
     python benchmarks/router_cancel.py [--quick] [--repeat 5] [--first-token-delay 5]
         [--token-gap 2] [--heartbeat 0.1] [--json PATH]
 
-sglang-router sends a worker no abort when its client leaves: once it has
-answered a stream, it notices only when it next writes to the client, then
-drops its connection to the worker, which cancels the request at once. So
-without heartbeats a client that leaves before the first token holds the
-worker until that token, and one that leaves in a gap until the next token;
-with ``--sse-heartbeat`` the worker writes two blank lines into every silence
-of that length, and the router notices at the next one.
-
-A ``bench-endpoint`` scenario: this script deploys (with ``hop_cancel.py``'s
-``behind_router``) and tabulates; ``trio-sglang bench-endpoint`` sends the
-clients and reads each release from the worker's ``/metrics``. Per heartbeat
-setting (``--heartbeat``, and off), two ``trio-sglang serve`` workers on the
-SimEngine, one after another, each behind its own sglang-router on loopback:
-one whose first token comes ``--first-token-delay`` after the request, whose
-clients leave before it (``before_first_token:close``, half that delay in),
-and one with ``--token-gap`` between tokens, whose clients leave in the gap
-after the first (``mid_stream:close``, right after it). ``--repeat`` clients
-go through the router, then as many to the worker directly (the reference),
+A ``bench-endpoint`` scenario on ``hop_cancel.py``'s ``behind_router``; why
+the router lets go only at its next write, and the setup, are in
+docs/benchmarks.md, "Behind sglang-router: a client leaving". Each client
+through the router, then each to the worker directly (the reference), goes
 one at a time: each release is then the only drop of the gauge in its wave,
 and each client finds the worker idle, so none waits on another's release.
-A client leaves at a set moment, not at a random one of a heartbeat interval:
-mid-stream, right after a token, the next heartbeat is a whole interval away;
-before the first token, how far it is depends on the delay.
 
 Table on stdout, progress on stderr, each cell's releases in ``--json PATH``;
 exit status 1 if a request was leaked (still held after both delays and a

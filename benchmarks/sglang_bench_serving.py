@@ -3,21 +3,12 @@
     python benchmarks/sglang_bench_serving.py [--concurrency 16 64] [--rounds 3]
         [--prompts 300] [--loops guest trio-asyncio] [--model-path DIR]
 
-The throughput target of ``serve --engine sglang``: on the whole engine, on
-this CPU, the same client (``python -m sglang.bench_serving --backend
-sglang``, random ids, 64 tokens in and 64 out) against SGLang's own
-``launch_server`` and against ``serve`` on each ``--loop``, every server
-over its own ``sglang.Engine`` on the tiny model with the same flags
-(``_http_servers_cpu.py``). All of them are up for the whole run and take
-turns, one at a time, so that each round compares servers on the same
-machine at the same moment; each ratio is against SGLang's server in the
-same round. Beside the client's figures, each run's front-end CPU per
-output token: the CPU seconds of the server's own process (its HTTP server
-and TokenizerManager; the scheduler and detokenizer are processes of their
-own) over the run, per token the client received. Run it in ``nox -s
-real-engine``'s environment (which also builds the tiny model):
-``.nox/real-engine/bin/python benchmarks/sglang_bench_serving.py``. Prints a
-row per run, then the median ratios per concurrency.
+The method is in docs/benchmarks.md, "``serve --engine sglang`` beside
+SGLang's own server, on the whole engine". Every server is up for the whole
+run and they take turns, so that each round compares servers on the same
+machine at the same moment; each ratio is against SGLang's server in the same
+round. Run it in ``nox -s real-engine``'s environment (which builds the tiny
+model). Prints a row per run, then the median ratios per concurrency.
 """
 
 from __future__ import annotations
@@ -101,22 +92,20 @@ def running(
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ports = free_ports(len(servers))
     with ExitStack() as stack:
-        urls = {}
-        processes = []
+        started: dict[str, tuple[str, Process]] = {}
         for (name, args), port in zip(servers.items(), ports, strict=True):
             command = [sys.executable, str(SERVERS_CPU), *args]
             command += ["--model-path", str(model), "--port", str(port)]
             log = folder / f"{name.replace(' ', '-')}.log"
             process = Process(name, command, log, env)
             stack.callback(process.stop, 30)
-            processes.append(process)
-            urls[name] = f"http://127.0.0.1:{port}"
-        for name, url in urls.items():
+            started[name] = (f"http://127.0.0.1:{port}", process)
+        processes = [process for _, process in started.values()]
+        for name, (url, _) in started.items():
             up = partial(healthy, url)
             wait_until(f"{name} to answer /health", up, START_TIMEOUT, *processes)
             print(f"{name} up at {url}", flush=True)
-        pids = [process.pid for process in processes]
-        yield {name: (url, pid) for (name, url), pid in zip(urls.items(), pids, strict=True)}
+        yield {name: (url, process.pid) for name, (url, process) in started.items()}
 
 
 def bench(

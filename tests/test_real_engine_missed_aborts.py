@@ -1,7 +1,7 @@
 """Aborts SGLang's scheduler misses, on the whole engine: ``serve`` sends them again.
 
 Both servers run with SGLang's scheduler missing the first abort of every
-request (``benchmarks/_missed_aborts.py``, SGLang issue #36876), and clients
+request (``benchmarks/_http_servers_cpu.py``, SGLang issue #36876), and clients
 leave after two chunks of seconds of decoding (``benchmarks/missed_aborts.py``).
 Judged by the scheduler's own load snapshot and by its log of the aborts it
 missed: with ``serve`` every request stops, its abort sent again (and counted

@@ -7,7 +7,7 @@ pairs run, over TCP: the ``mooncake-transfer-engine-non-cuda`` wheel and the
 server runs SGLang's bootstrap server; the decode server, in front, runs each
 request's prefill leg there (``--prefill-url``) and decodes the KV cache that
 Mooncake moved. On this CPU the prefill's KV sender takes its plain path
-(``benchmarks/_cpu_kv_transfer.py``). Each server's cores are its own
+(``benchmarks/_http_servers_cpu.py``). Each server's cores are its own
 (``SGLANG_CPU_OMP_THREADS_BIND``).
 
 Clients of the decode server leave at moments spread over both legs (a slow
