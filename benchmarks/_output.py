@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -34,6 +35,7 @@ __all__ = [
     "cores",
     "machine",
     "markdown_table",
+    "number",
     "results_folder",
     "table",
     "target_lines",
@@ -151,6 +153,27 @@ def add_file_options(parser: argparse.ArgumentParser, files: str) -> None:
     parser.add_argument(
         "--json", type=Path, metavar="PATH", help="write the JSON here instead (default DIR)"
     )
+
+
+def number(
+    kind: Callable[[str], float], low: float, high: float = math.inf, *, above: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` of the option's text, at least ``low`` (above it, with
+    ``above``) and at most ``high``; every benchmark's options are checked by one of these."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value > low if above else value >= low) or not value <= high:
+            bounds = f"> {low:g}" if above else f">= {low:g}"
+            if high < math.inf:
+                bounds = f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    return parse
 
 
 def write_json(path: Path, data: Any) -> Path:

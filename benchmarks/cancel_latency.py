@@ -21,7 +21,8 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -291,18 +292,30 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 class _LogCounter(logging.Handler):
-    """Counts the worker's log records by message template instead of printing them.
-
-    A burst of 10,000 cancels can make the worker log one warning per request;
-    printed, they would drown the table (and the printing would slow the run).
-    """
-
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.counts: Counter[str] = Counter()
 
     def emit(self, record: logging.LogRecord) -> None:
         self.counts[f"{record.levelname}: {record.msg}"] += 1
+
+
+@contextmanager
+def counting_worker_log() -> Iterator[Counter[str]]:
+    """The worker's log records, counted by level and message template instead of printed.
+
+    A burst of 10,000 cancels can make the worker log one warning per request;
+    printed, they would drown the table (and the printing would slow the run).
+    """
+    counter = _LogCounter()
+    worker_log = logging.getLogger("trio_sglang")
+    worker_log.addHandler(counter)
+    worker_log.propagate = False
+    try:
+        yield counter.counts
+    finally:
+        worker_log.removeHandler(counter)
+        worker_log.propagate = True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -315,17 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cancel_latency.py: error: {plot_error}", file=sys.stderr)
         return 2
     folder = results_folder(args.out)
-    counter = _LogCounter()
-    worker_log = logging.getLogger("trio_sglang")
-    worker_log.addHandler(counter)
-    worker_log.propagate = False
     progress = Progress(config.steps() + 1)
-    try:
+    with counting_worker_log() as counts:
         report = trio.run(run_benchmark, config, progress)
-    finally:
-        worker_log.removeHandler(counter)
-        worker_log.propagate = True
-    report.worker_log = dict(counter.counts)
+    report.worker_log = dict(counts)
     progress.start(f"writing {folder}")
     written = save_results(report, folder, args.json, None if plot_error else args.plot)
     progress.step_done()

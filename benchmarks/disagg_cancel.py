@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import argparse
 import io
-import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from _disagg_metrics import HELD_AFTER, PHASES, ApproachResult, summarize
 from _disagg_run import PD_APPROACHES, PROGRESS_STEPS, Workload, run_approach
-from _output import Progress, add_file_options, results_folder, table, wrap
+from _output import Progress, add_file_options, number, results_folder, table, wrap
 from _report_base import Column, SummaryReport, columns_table
 from _stats import percentiles
 from _units import sig3
 from _verdict import Target
-from cancel_latency import _LogCounter
+from cancel_latency import counting_worker_log
 
 __all__ = ["FULL", "QUICK", "Config", "Report", "build_parser", "main", "run_benchmark"]
 
@@ -209,19 +208,6 @@ def _phase_rows(results: Sequence[ApproachResult]) -> list[list[str]]:
 # -- the command line --------------------------------------------------------------
 
 
-def _bounded(kind: Callable[[str], float], low: float, high: float) -> Callable[[str], Any]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disagg_cancel.py",
@@ -238,17 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"the default size, {FULL.requests:,} requests (for nox -s bench -- --full)",
     )
-    parser.add_argument(
-        "--requests", type=_bounded(int, 1, 10**6), help=f"default {FULL.requests:,}"
-    )
+    parser.add_argument("--requests", type=number(int, 1, 10**6), help=f"default {FULL.requests:,}")
     parser.add_argument(
         "--load",
-        type=_bounded(float, 0.01, 2.0),
+        type=number(float, 0.01, 2.0),
         help=f"offered prefill load, all prefills computed whole (default {FULL.load})",
     )
     parser.add_argument(
         "--cancel-share",
-        type=_bounded(float, 0.0, 1.0),
+        type=number(float, 0.0, 1.0),
         help=f"share of clients that leave early (default {FULL.cancel_share})",
     )
     parser.add_argument("--seed", type=int, help="default 0")
@@ -270,18 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     folder = results_folder(args.out)
-    counter = _LogCounter()
-    worker_log = logging.getLogger("trio_sglang")
-    worker_log.addHandler(counter)
-    worker_log.propagate = False
     progress = Progress(len(config.approaches) * PROGRESS_STEPS)
-    try:
+    with counting_worker_log() as counts:
         report = run_benchmark(config, progress)
-    finally:
-        worker_log.removeHandler(counter)
-        worker_log.propagate = True
     progress.finish()
-    report.worker_log = dict(counter.counts)
+    report.worker_log = dict(counts)
     print(report.format())
     print("\nfiles:")
     for path in report.save(folder, args.json, "disagg.json"):

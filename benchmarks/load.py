@@ -25,7 +25,7 @@ from _load_edge_report import EdgeReport
 from _load_hostile import HostileTally, run_hostile
 from _load_report import LoadReport
 from _load_run import progress_steps, run_server
-from _output import Progress, machine, write_json
+from _output import Progress, machine, number, write_json
 from trio_sglang._cli._field_options import positive_int
 
 __all__ = ["main", "run_edge", "run_load"]
@@ -67,27 +67,6 @@ async def run_edge(config: Config, edge: EdgeConfig, progress: Progress) -> Edge
 # -- the command line ---------------------------------------------------------------
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def _share(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     defaults = Config()
     parser = argparse.ArgumentParser(
@@ -111,18 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--clients", type=positive_int, help=f"default {defaults.clients}")
     parser.add_argument(
-        "--duration", type=_seconds, help=f"seconds (default {defaults.duration:g})"
+        "--duration",
+        type=number(float, 0, above=True),
+        help=f"seconds (default {defaults.duration:g})",
     )
     parser.add_argument(
         "--disconnect-fraction",
-        type=_fraction,
+        type=number(float, 0, 1),
         help="share of requests abandoned at a random moment, half of them before the first "
         "token (default 1/3)",
     )
     parser.add_argument("--seed", type=int, help="default 0")
     parser.add_argument(
         "--token-interval",
-        type=_seconds,
+        type=number(float, 0, above=True),
         help=f"the SimEngine's seconds between tokens (default {defaults.token_interval:g})",
     )
     parser.add_argument(
@@ -142,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         parser.add_argument(
             f"--{name.replace('_', '-')}",
-            type=_share,
+            type=number(int, 0),
             help=f"--scenario edge: {what} (default 10%% of --clients, at most "
             f"{HOSTILE_CAPS[name]})",
         )

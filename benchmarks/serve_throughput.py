@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from _load_server import ServerProcess, open_server
-from _output import Progress, add_file_options, cores, results_folder
+from _output import Progress, add_file_options, cores, number, results_folder
 from _sse_client import Reading, reading_from
 from _throughput_report import SERVERS, Cell, Server, ThroughputReport
 from trio_sglang._cli._field_options import positive_int
@@ -235,13 +235,6 @@ def progress_steps(config: Config) -> int:
 # -- the command line ---------------------------------------------------------------
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="serve_throughput.py",
@@ -262,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--streams", type=positive_int, nargs="+", help="default 10 100 1000")
     parser.add_argument(
-        "--rate", type=_positive_float, help=f"tokens/s offered in all (default {FULL.rate:g})"
+        "--rate",
+        type=number(float, 0, above=True),
+        help=f"tokens/s offered in all (default {FULL.rate:g})",
     )
     parser.add_argument(
         "--max-tokens", type=positive_int, help=f"per request (default {FULL.max_tokens})"
@@ -273,8 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"default {FULL.endpoint}",
     )
     parser.add_argument("--rounds", type=positive_int, help=f"default {FULL.rounds}")
-    parser.add_argument("--warmup", type=_positive_float, help=f"s (default {FULL.warmup:g})")
-    parser.add_argument("--window", type=_positive_float, help=f"s (default {FULL.window:g})")
+    parser.add_argument(
+        "--warmup", type=number(float, 0, above=True), help=f"s (default {FULL.warmup:g})"
+    )
+    parser.add_argument(
+        "--window", type=number(float, 0, above=True), help=f"s (default {FULL.window:g})"
+    )
     parser.add_argument(
         "--sglang",
         action="store_true",
