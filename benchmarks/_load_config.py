@@ -16,8 +16,9 @@ __all__ = ["HOSTILE_CAPS", "HOSTILE_SHARE", "Config", "EdgeConfig"]
 #: (its KV rooms poll again every 0.1 s), so ten of them already make about a
 #: hundred hostile answers a second.
 HOSTILE_SHARE = 0.1
-#: Issue 37's clients are capped lower still: each costs the server about one
-#: attack a second, and a flood or a burst of 50 streams is far more than a request.
+#: Flooders, pipeliners, resetters and fan-out clients are capped lower still: each
+#: costs the server about one attack a second, and a flood or a burst of 50 streams is
+#: far more than a request.
 HOSTILE_CAPS = {
     "nonreaders": 50,
     "tricklers": 50,

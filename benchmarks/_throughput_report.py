@@ -24,7 +24,8 @@ Server = Literal["serve", "floor", "sglang", "hosted"]
 #: SGLang's application) only where SGLang is installed.
 SERVERS: tuple[Server, ...] = ("serve", "floor")
 
-#: The targets (issue 16): at this many streams, serve's CPU per chunk.
+#: The targets (docs/benchmarks.md, "Serving throughput"): serve's CPU per chunk at this
+#: many streams, in µs and over the floor's.
 TARGET_STREAMS = 100
 TARGET_US = 35.0
 TARGET_RATIO = 1.5
