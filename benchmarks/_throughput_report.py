@@ -8,7 +8,7 @@ docs/benchmarks.md, "Serving throughput".
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from _output import target_lines, wrap
@@ -31,6 +31,9 @@ TARGET_US = 35.0
 TARGET_RATIO = 1.5
 #: The clients may use at most this much of a core, or they, not the server, set the pace.
 CLIENT_CORES_AT_MOST = 0.5
+#: A server at this much of a core or more over its window had no headroom: streams of its
+#: still starting say the machine could not carry the offered load, not that it is wrong.
+SATURATED_CORES = 0.9
 #: The SGLang release whose own server ``--sglang`` runs (the ``sglang`` extra's).
 SGLANG_VERSION = "0.5.23"
 
@@ -207,6 +210,19 @@ class ThroughputReport(SummaryReport):
         empty = sum(1 for side in sides if side.chunks == 0)
         late = sum(side.late_streams for side in sides)
         busiest = max((side.client_cores for side in sides), default=0.0)
+        late_check = Target(
+            "streams without a token when their window began (still starting)",
+            "0",
+            f"{late}",
+            late == 0,
+        )
+        busy = max((s.server_cores for s in sides if s.late_streams), default=0.0)
+        if late and all(s.server_cores >= SATURATED_CORES for s in sides if s.late_streams):
+            late_check = replace(
+                late_check,
+                met=None,
+                not_judged=f"not judged: a late server was saturated ({busy:.2f} cores)",
+            )
         return [
             Target(
                 "requests failed (a status, a connection cut, no [DONE])",
@@ -215,12 +231,7 @@ class ThroughputReport(SummaryReport):
                 failures == 0,
             ),
             Target("cells that read no chunk", "0", f"{empty}", empty == 0 and bool(sides)),
-            Target(
-                "streams without a token when their window began (still starting)",
-                "0",
-                f"{late}",
-                late == 0,
-            ),
+            late_check,
             Target(
                 "the clients' busiest cell, cores",
                 f"<= {CLIENT_CORES_AT_MOST:g} (not the bottleneck)",
@@ -232,7 +243,7 @@ class ThroughputReport(SummaryReport):
     @property
     def passed(self) -> bool:
         """Every check on the run's validity held (the targets are reported, not required)."""
-        return all(check.met for check in self.checks())
+        return all(check.met is not False for check in self.checks())
 
     # -- text ---------------------------------------------------------------------
 

@@ -114,6 +114,32 @@ def test_command_line(bench: Any) -> None:
         parse(["--rate", "0"])
 
 
+@pytest.mark.parametrize(
+    ("floor_cpu_s", "verdict", "passed"),
+    [(1.5, "not judged: a late server was saturated (1.00 cores)", True), (0.6, "MISSED", False)],
+)
+def test_late_streams_fail_the_run_unless_their_server_was_saturated(
+    bench: Any, floor_cpu_s: float, verdict: str, passed: bool
+) -> None:
+    """A server at a full core could not carry the offered load: its streams still starting
+    say so of the machine (the run is not judged), where one with headroom fails it."""
+
+    def cell(server: str, cpu_s: float, late: int) -> Any:
+        reading = bench.client.Reading(
+            streams=1000, window_s=1.5, late_streams=late, chunks=4000, server_cpu_s=cpu_s
+        )
+        return bench.report.Cell(server, 1000, 0, reading)
+
+    report = bench.report.ThroughputReport(
+        config={},
+        cells=[cell("serve", 0.9, 0), cell("floor", floor_cpu_s, 82)],
+        intervals={1000: 0.2},
+    )
+    late = report.checks()[2]
+    assert (late.measured, late.verdict) == ("82", verdict)
+    assert report.passed is passed
+
+
 # httpx, which records the events the floor streams, closes its stream from a finalizer
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 async def test_a_tiny_run(bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
