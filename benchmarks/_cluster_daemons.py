@@ -89,6 +89,10 @@ class Daemons:
         self._etcd = Process("etcd", command, self.folder / f"etcd-{started}.log")
         wait_until("etcd to answer", lambda: healthy(self.etcd_url, timeout=2), 30, self._etcd)
 
+    def processes(self) -> list[Process]:
+        """The daemons started so far, nats-server first."""
+        return [process for process in (self._nats, self._etcd) if process is not None]
+
     def stop_etcd(self) -> None:
         if self._etcd is not None:
             self._etcd.stop(timeout=10)

@@ -18,6 +18,13 @@ from _subprocesses import Process, answer_json, free_port, wait_until
 
 __all__ = ["Deployment", "local_env", "loopback_env"]
 
+#: Dynamo's log filter unless ``DYN_LOG`` is set: warnings, and the runtime's steps on its
+#: way up (discovery, then the request plane), a handful of lines a process. A process that
+#: hangs while it starts shows how far it got; its retries are warnings already.
+STARTUP_LOG = (
+    "warn,dynamo_runtime::distributed=info,dynamo_runtime::pipeline::network::manager=info"
+)
+
 
 def local_env(discovery: Path) -> dict[str, str]:
     """This environment, with Dynamo's runtime kept on loopback and discovery in ``discovery``."""
@@ -36,7 +43,7 @@ def loopback_env() -> dict[str, str]:
         "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
         "DYN_EVENT_PLANE_HOST": "127.0.0.1",
         "DYN_SYSTEM_HOST": "127.0.0.1",
-        "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
+        "DYN_LOG": os.environ.get("DYN_LOG", STARTUP_LOG),
     }
 
 
@@ -54,13 +61,25 @@ class Deployment:
         self.processes: list[Process] = []
         self.url = ""
 
-    def start_frontend(self, *args: str, timeout: float = 60.0) -> str:
-        """``python -m dynamo.frontend ARGS`` on loopback; its URL once it answers."""
+    def start_frontend(
+        self, *args: str, timeout: float = 60.0, beside: Sequence[Process] = ()
+    ) -> str:
+        """``python -m dynamo.frontend ARGS`` on loopback; its URL once it answers.
+
+        ``beside``: what it needs to start (etcd, nats-server), watched with it,
+        their logs' ends in the message if it does not answer in time.
+        """
         port = free_port()
         command = [self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
         frontend = self._start("frontend", [*command, "--http-port", str(port), *args])
         self.url = f"http://127.0.0.1:{port}"
-        wait_until("the frontend to answer", lambda: self._models() is not None, timeout, frontend)
+        wait_until(
+            "the frontend to answer",
+            lambda: self._models() is not None,
+            timeout,
+            frontend,
+            *beside,
+        )
         return self.url
 
     def start_worker(

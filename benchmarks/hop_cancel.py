@@ -79,7 +79,7 @@ def behind_dynamo(log_dir: Path, daemons: Daemons, planes: tuple[str, str]) -> I
     folder.mkdir()
     model = f"sim-{'-'.join(planes)}"
     with Deployment(folder, env=cluster_env(daemons, *planes)) as deployment:
-        url = deployment.start_frontend()
+        url = deployment.start_frontend(beside=daemons.processes())
         port = free_port()
         deployment.start_worker("worker", deployment.trio_worker_command(model, port), model)
         yield Setup(f"dynamo {'/'.join(planes)}", url, [f"http://127.0.0.1:{port}/metrics"], model)

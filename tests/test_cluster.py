@@ -79,7 +79,7 @@ def open_cluster(
     """
     env = cluster_env(daemons, *planes, lease_ttl=LEASE_TTL)
     with Deployment(folder, env=env) as deployment:
-        deployment.start_frontend(*frontend_args)
+        deployment.start_frontend(*frontend_args, beside=daemons.processes())
         model = f"sim-{folder.name}"
         workers = [add_worker(deployment, model, f"w{i}") for i in range(3)]
         # "serving" is logged once the model is registered; the endpoint may still be
@@ -264,6 +264,12 @@ def test_etcd_restarted_mid_run_and_a_lease_lost_for_good(
                 assert "Traceback" not in output, output
         finally:
             daemons.start_etcd()
+        # etcd gives every lease its whole TTL again when it comes back, the lost ones too:
+        # they end one TTL later, and the next deployment starts on an etcd without them.
+        model = workers[0].model
+        wait_until(
+            "etcd to drop the lost workers", lambda: daemons.instances(model) == 0, LEASE_TTL * 4
+        )
 
 
 def test_a_thousand_clients_leave_and_nothing_is_lost_or_left_running(
