@@ -242,8 +242,9 @@ def test_a_killed_worker_fails_its_clients_and_is_dropped_when_its_lease_ends(
 def test_etcd_restarted_mid_run_and_a_lease_lost_for_good(
     daemons: Daemons, tmp_path_factory: pytest.TempPathFactory, planes: tuple[str, str]
 ) -> None:
-    """Down a moment: everyone carries on. Down past the lease: the frontend stops, and each
-    worker ends with exit status 1, for a supervisor to start it afresh."""
+    """Down a moment: everyone carries on. Down past the lease: the frontend stops, each
+    worker ends with exit status 1, for a supervisor to start it afresh, and etcd drops
+    them one lease after it is back."""
     folder = tmp_path_factory.mktemp("etcd")
     with open_cluster(folder, daemons, planes) as (deployment, workers):
         down = time.monotonic()
