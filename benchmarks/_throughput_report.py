@@ -216,12 +216,12 @@ class ThroughputReport(SummaryReport):
             f"{late}",
             late == 0,
         )
-        busy = max((s.server_cores for s in sides if s.late_streams), default=0.0)
-        if late and all(s.server_cores >= SATURATED_CORES for s in sides if s.late_streams):
+        late_cores = [side.server_cores for side in sides if side.late_streams]
+        if late_cores and min(late_cores) >= SATURATED_CORES:
             late_check = replace(
                 late_check,
                 met=None,
-                not_judged=f"not judged: a late server was saturated ({busy:.2f} cores)",
+                not_judged=f"not judged: a late server was saturated ({min(late_cores):.2f} cores)",
             )
         return [
             Target(
